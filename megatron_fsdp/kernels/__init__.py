@@ -1,0 +1,58 @@
+"""Python face of the C++/CUDA extension (csrc/).
+
+Importing `megatron_fsdp._C` registers the `torch.ops.megatron_fsdp.*` ops.
+When the extension was not built, the same functions run a pure-PyTorch
+fallback with identical results, and `extension_available()` says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _load_extension():
+    try:
+        from .. import _C  # noqa: F401  (registers torch.ops.megatron_fsdp)
+    except ImportError as exc:
+        return exc
+    return _C
+
+
+def extension_available() -> bool:
+    return not isinstance(_load_extension(), ImportError)
+
+
+def extension_has_cuda() -> bool:
+    ext = _load_extension()
+    return not isinstance(ext, ImportError) and bool(ext.has_cuda)
+
+
+def extension_import_error() -> ImportError | None:
+    ext = _load_extension()
+    return ext if isinstance(ext, ImportError) else None
+
+
+def _pack_into_reference(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    total = sum(t.numel() for t in inputs)
+    if out.dim() != 1 or not out.is_contiguous():
+        raise RuntimeError("pack_into: out must be 1-D and contiguous")
+    if total > out.numel():
+        raise RuntimeError(f"pack_into: inputs hold {total} elements but out has only {out.numel()}")
+    offset = 0
+    for t in inputs:
+        out[offset:offset + t.numel()].copy_(t.reshape(-1))
+        offset += t.numel()
+
+
+def pack_into(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy `inputs`, each flattened, back to back into the 1-D buffer `out`
+    (casting to out's dtype). Raises before writing anything if `out` is too
+    small or on another device."""
+    if extension_available() and (out.device.type == "cpu" or extension_has_cuda()):
+        torch.ops.megatron_fsdp.pack_into(list(inputs), out)
+    else:
+        _pack_into_reference(inputs, out)

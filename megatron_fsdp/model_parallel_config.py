@@ -1,0 +1,73 @@
+"""ModelParallelConfig: Megatron-Core's parallelism and precision fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+
+def reject_unsupported(config, unsupported: dict[str, object]) -> None:
+    """Raise for every field set away from the only value this library honours."""
+    for name, allowed in unsupported.items():
+        value = getattr(config, name)
+        if value != allowed:
+            raise NotImplementedError(
+                f"{type(config).__name__}.{name}={value!r} is not supported by megatron_fsdp "
+                f"(only {allowed!r})"
+            )
+
+
+@dataclasses.dataclass
+class ModelParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+
+    timers: Optional[Callable] = None
+    finalize_model_grads_func: Optional[Callable] = None
+    grad_scale_func: Optional[Callable] = None
+    no_sync_func: Optional[Callable] = None
+    grad_sync_func: Optional[Callable] = None
+    param_sync_func: Optional[Callable] = None
+    deterministic_mode: bool = False
+
+    gradient_accumulation_fusion: bool = False
+    async_tensor_model_parallel_allreduce: bool = False
+    tp_comm_overlap: bool = False
+    use_te_rng_tracker: bool = False
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "expert_model_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 cannot both be True")
+        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
+            raise ValueError(f"params_dtype must be a floating-point torch.dtype, got {self.params_dtype!r}")
+        reject_unsupported(self, {
+            "pipeline_model_parallel_size": 1,
+            "virtual_pipeline_model_parallel_size": None,
+            "expert_model_parallel_size": 1,
+            # Fusing wgrad into a main_grad buffer needs Megatron's own DDP buffers.
+            "gradient_accumulation_fusion": False,
+            "tp_comm_overlap": False,
+            "use_te_rng_tracker": False,
+            # Our kernels have one path; for CUDA determinism set
+            # torch.use_deterministic_algorithms(True) yourself.
+            "deterministic_mode": False,
+        })

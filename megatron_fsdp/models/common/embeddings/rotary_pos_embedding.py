@@ -1,0 +1,69 @@
+"""Rotary position embedding (RoPE), non-interleaved as in Megatron-Core's default."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .... import parallel_state
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces the rotation angles; `apply_rotary_pos_emb` rotates q and k with them."""
+
+    def __init__(self, kv_channels: int, rotary_percent: float, rotary_interleaved: bool = False,
+                 seq_len_interpolation_factor: Optional[float] = None, rotary_base: int = 10000,
+                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
+                 use_cpu_initialization: bool = False, cp_group=None):
+        super().__init__()
+        if rotary_interleaved:
+            raise NotImplementedError("rotary_interleaved=True is not supported")
+        if rope_scaling:
+            raise NotImplementedError("rope_scaling=True (Llama-3.1 frequency scaling) is not supported")
+        if cp_group is not None:
+            raise NotImplementedError("context parallelism (cp_group) is not supported")
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {rotary_percent}")
+        dim = int(kv_channels * rotary_percent)
+        if dim % 2 != 0 or dim == 0:
+            raise ValueError(
+                f"rotary dimension kv_channels * rotary_percent = {dim} must be a positive even number"
+            )
+        self.dim = dim
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        device = None if torch.empty(0).device.type == "meta" else parallel_state.get_device()
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+        self.register_buffer("inv_freq", 1.0 / (rotary_base ** exponents), persistent=False)
+        self.rotary_base = rotary_base
+
+    def reset_parameters(self) -> None:
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=self.inv_freq.device) / self.dim
+        self.inv_freq.copy_(1.0 / (self.rotary_base ** exponents))
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
+        """Angles [max_seq_len, 1, 1, dim] (each frequency twice, as rotate-half expects)."""
+        if packed_seq:
+            raise NotImplementedError("packed sequences are not supported")
+        positions = torch.arange(offset, offset + max_seq_len, device=self.inv_freq.device,
+                                 dtype=torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        freqs = torch.outer(positions, self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None) -> torch.Tensor:
+    """Rotate the first `freqs.size(-1)` channels of t [s, b, heads, head_dim]."""
+    rot_dim = freqs.size(-1)
+    freqs = freqs[: t.size(0)]
+    t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    t_rot = t_rot * cos + _rotate_half(t_rot) * sin
+    return torch.cat((t_rot, t_pass), dim=-1) if t_pass.numel() else t_rot

@@ -1,0 +1,153 @@
+"""GPTModel: embedding -> TransformerBlock -> vocab-parallel output layer."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ... import parallel_state
+from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ...tensor_parallel.layers import ColumnParallelLinear
+from ...transformer.transformer_block import TransformerBlock
+from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
+from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from .gpt_layer_specs import layer_class_from_spec
+
+
+def _check_parallel_layout(config) -> None:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if config.tensor_model_parallel_size != tp:
+        raise ValueError(
+            f"config.tensor_model_parallel_size ({config.tensor_model_parallel_size}) differs from "
+            f"the initialized tensor-parallel size ({tp})"
+        )
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp != 1 or config.context_parallel_size != 1:
+        raise NotImplementedError(
+            f"context parallelism is not implemented in GPTModel's attention "
+            f"(context_parallel_size={max(cp, config.context_parallel_size)}, only 1 is supported)"
+        )
+
+
+class GPTModel(nn.Module):
+    def __init__(
+        self,
+        config,
+        transformer_layer_spec=None,
+        vocab_size: int = None,
+        max_sequence_length: int = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
+        seq_len_interpolation_factor: Optional[float] = None,
+        mtp_block_spec=None,
+        vp_stage: Optional[int] = None,
+    ):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTModel: {name} must be a positive integer, got {value!r}")
+        if not (pre_process and post_process):
+            raise NotImplementedError("pre_process/post_process=False (pipeline stages) is not supported")
+        if mtp_block_spec is not None:
+            raise NotImplementedError("multi-token prediction (mtp_block_spec) is not supported")
+        if vp_stage not in (None, 0):
+            raise NotImplementedError(f"vp_stage={vp_stage!r}: virtual pipelining is not supported")
+        _check_parallel_layout(config)
+        layer_cls = layer_class_from_spec(transformer_layer_spec)
+
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+
+        meta = torch.device("meta") if config.init_model_with_meta_device else contextlib.nullcontext()
+        with meta:
+            self.embedding = LanguageModelEmbedding(
+                config, vocab_size, max_sequence_length, position_embedding_type,
+                scatter_to_sequence_parallel=scatter_embedding_sequence_parallel)
+            if position_embedding_type == "rope":
+                self.rotary_pos_emb = RotaryEmbedding(
+                    config.kv_channels, rotary_percent, config.rotary_interleaved,
+                    seq_len_interpolation_factor, rotary_base, rope_scaling, rope_scaling_factor)
+            else:
+                self.rotary_pos_emb = None
+            self.decoder = TransformerBlock(config, layer_cls=layer_cls)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, vocab_size, config=config, init_method=config.init_method,
+                bias=False, skip_bias_add=False, gather_output=not parallel_output,
+                skip_weight_param_allocation=share_embeddings_and_output_weights,
+                tp_comm_buffer_name="lm_head")
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        if self.share_embeddings_and_output_weights:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if input_tensor not in (None, [None]):
+            raise NotImplementedError("pipeline parallelism (set_input_tensor) is not supported")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        decoder_input: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        inference_context=None,
+        packed_seq_params=None,
+        extra_block_kwargs: Optional[dict] = None,
+        runtime_gather_output: Optional[bool] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        inference_params=None,
+    ) -> torch.Tensor:
+        """Per-token loss [b, s] when `labels` are given, else logits [b, s, vocab/tp]
+        ([b, s, vocab] with parallel_output=False).
+
+        As in Megatron-Core, `loss_mask` is not applied here: the caller's loss
+        function weights the returned per-token loss.
+        """
+        if inference_context is not None or inference_params is not None or packed_seq_params is not None:
+            raise NotImplementedError("inference contexts and packed sequences are not supported")
+        if decoder_input is None:
+            decoder_input = self.embedding(input_ids, position_ids)
+        rotary_pos_emb = None
+        if self.rotary_pos_emb is not None:
+            seq_len = decoder_input.size(0) * (
+                parallel_state.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
+            rotary_pos_emb = self.rotary_pos_emb(seq_len)
+        hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb,
+                                     **(extra_block_kwargs or {}))
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if labels is None:
+            logits, _ = self.output_layer(hidden_states, weight=weight,
+                                          runtime_gather_output=runtime_gather_output)
+            return logits.transpose(0, 1).contiguous()
+        # The loss needs vocabulary-parallel logits whatever parallel_output says.
+        logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=False)
+        return self.compute_language_model_loss(labels, logits)
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """labels [b, s], vocab-parallel logits [s, b, v/tp] -> loss [b, s]."""
+        labels = labels.transpose(0, 1).contiguous()
+        if not self.fp16_lm_cross_entropy:
+            logits = logits.float()
+        loss = vocab_parallel_cross_entropy(logits, labels)
+        return loss.transpose(0, 1).contiguous()

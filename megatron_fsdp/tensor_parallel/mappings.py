@@ -1,0 +1,201 @@
+"""Megatron-style communication as autograd functions.
+
+Each pair is the adjoint of the other: what one does in forward, its partner
+does in backward. Tensor-parallel regions split the last (hidden) dimension;
+sequence-parallel regions split dimension 0 (activations are [s, b, h]).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel_state
+
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _tp_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return parallel_state.get_tensor_model_parallel_group() if group is None else group
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    if x.size(dim) % world_size != 0:
+        raise ValueError(
+            f"cannot split dimension {dim} of size {x.size(dim)} evenly over "
+            f"{world_size} tensor-parallel ranks"
+        )
+    return x.chunk(world_size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((world_size * x.size(0),) + tuple(x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out
+
+
+def _all_gather_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    dim = dim % x.dim()
+    gathered = _all_gather_dim0(x.movedim(dim, 0), group)
+    return gathered.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    if x.size(0) % world_size != 0:
+        raise ValueError(
+            f"cannot reduce-scatter dimension 0 of size {x.size(0)} over {world_size} "
+            "tensor-parallel ranks (with sequence parallelism the sequence length must be "
+            "divisible by the tensor-parallel size)"
+        )
+    x = x.contiguous()
+    out = x.new_empty((x.size(0) // world_size,) + tuple(x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group)
+    return out
+
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_along_dim(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_along_dim(grad, -1, ctx.group), None
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_along_dim(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_along_dim(grad, -1, ctx.group), None
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_along_dim(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tensor_parallel_output_grad, group):
+        ctx.group = group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A gathered input that feeds tensor-parallel compute gets partial
+        # gradients on every rank: they are summed while being scattered.
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_dim0(grad, ctx.group), None, None
+        return _split_along_dim(grad, 0, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+def copy_to_tensor_model_parallel_region(input_, group=None):
+    """Identity forward; all-reduce of the gradient over the TP group in backward."""
+    return _CopyToModelParallelRegion.apply(input_, _tp_group(group))
+
+
+def reduce_from_tensor_model_parallel_region(input_, group=None):
+    """All-reduce forward; identity backward."""
+    return _ReduceFromModelParallelRegion.apply(input_, _tp_group(group))
+
+
+def scatter_to_tensor_model_parallel_region(input_, group=None):
+    """Keep this rank's chunk of the last dimension; all-gather it back in backward."""
+    return _ScatterToModelParallelRegion.apply(input_, _tp_group(group))
+
+
+def gather_from_tensor_model_parallel_region(input_, group=None):
+    """All-gather along the last dimension; split in backward."""
+    return _GatherFromModelParallelRegion.apply(input_, _tp_group(group))
+
+
+def scatter_to_sequence_parallel_region(input_, group=None):
+    """Keep this rank's chunk of dimension 0 (the sequence); all-gather in backward."""
+    return _ScatterToSequenceParallelRegion.apply(input_, _tp_group(group))
+
+
+def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
+                                         output_split_sizes=None, use_global_buffer=False):
+    """All-gather dimension 0; reduce-scatter (or split) the gradient in backward."""
+    if output_split_sizes is not None:
+        raise NotImplementedError("output_split_sizes (uneven sequence split) is not supported")
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad, _tp_group(group))
+
+
+def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
+                                               use_global_buffer=False):
+    """Reduce-scatter dimension 0; all-gather the gradient in backward."""
+    if input_split_sizes is not None:
+        raise NotImplementedError("input_split_sizes (uneven sequence split) is not supported")
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, _tp_group(group))

@@ -1,0 +1,67 @@
+"""Parameter construction shared by the tensor-parallel layers."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import parallel_state
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of a parameter: a TP DTensor's shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _building_on_meta() -> bool:
+    return torch.empty(0).device.type == "meta"
+
+
+def init_full_tensor(shape: tuple[int, ...], init_method: Optional[Callable], config) -> torch.Tensor:
+    """The full (unsharded) initial value, identical on every rank and for every TP size.
+
+    Every rank draws the whole tensor from the same generator state and later
+    keeps its shard, so a TP=1 and a TP=4 model built from the same seed hold
+    the same weights. Under a meta-device context nothing is drawn.
+    """
+    if _building_on_meta():
+        return torch.empty(shape, device="meta", dtype=torch.float32)
+    device = parallel_state.get_device()
+    init_device = torch.device("cpu") if config.use_cpu_initialization else device
+    full = torch.empty(shape, dtype=torch.float32, device=init_device)
+    if config.perform_initialization and init_method is not None:
+        with torch.no_grad():
+            init_method(full)
+    return full
+
+
+def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> torch.nn.Parameter:
+    """A parameter holding this rank's part of `full` as a DTensor on the TP mesh:
+    Shard(shard_dim), or Replicate() when `shard_dim` is None."""
+    mesh = parallel_state.get_tensor_model_parallel_mesh()
+    tp_size = mesh.size()
+    if shard_dim is None:
+        local, placement = full, Replicate()
+    else:
+        if full.size(shard_dim) % tp_size != 0:
+            raise ValueError(
+                f"dimension {shard_dim} of size {full.size(shard_dim)} is not divisible by "
+                f"the tensor-parallel size {tp_size}"
+            )
+        local = full.chunk(tp_size, dim=shard_dim)[mesh.get_local_rank()]
+        placement = Shard(shard_dim)
+    device = full.device if full.device.type == "meta" else parallel_state.get_device()
+    # copy=True: a shard that is a view would keep the whole `full` tensor alive.
+    local = local.to(device=device, dtype=config.params_dtype, copy=True,
+                     memory_format=torch.contiguous_format)
+    dtensor = DTensor.from_local(local, mesh, [placement], run_check=False,
+                                 shape=full.shape, stride=full.stride())
+    return torch.nn.Parameter(dtensor)

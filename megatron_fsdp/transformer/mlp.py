@@ -1,0 +1,47 @@
+"""MLP: column-parallel fc1, activation (optionally gated), row-parallel fc2."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+class MLP(nn.Module):
+    """With gated_linear_unit, fc1's output rows alternate gate, up, gate, up, ...
+
+    Megatron-Core stores each TP rank's [gate; up] block contiguously, which
+    makes the full weight depend on the TP size. Interleaving keeps fc1 a
+    plain Shard(0) DTensor whose full value is the same for every TP size, so
+    checkpoints reshard across TP sizes. (gate = W[0::2], up = W[1::2].)
+    """
+
+    def __init__(self, config, input_size: int | None = None):
+        super().__init__()
+        self.config = config
+        self.input_size = config.hidden_size if input_size is None else input_size
+        ffn = config.ffn_hidden_size
+        self.gated = config.gated_linear_unit
+        self.activation_func = config.activation_func
+        self.linear_fc1 = ColumnParallelLinear(
+            self.input_size, 2 * ffn if self.gated else ffn, config=config,
+            init_method=config.init_method, bias=config.add_bias_linear, gather_output=False,
+            skip_bias_add=True, tp_comm_buffer_name="fc1")
+        self.linear_fc2 = RowParallelLinear(
+            ffn, config.hidden_size, config=config, init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            tp_comm_buffer_name="fc2")
+
+    def forward(self, hidden_states: torch.Tensor):
+        """[s, b, h] -> (output [s, b, h], bias of fc2 or None)."""
+        intermediate, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            intermediate = intermediate + bias
+        if self.gated:
+            pairs = intermediate.unflatten(-1, (-1, 2))
+            intermediate = self.activation_func(pairs[..., 0]) * pairs[..., 1]
+        else:
+            intermediate = self.activation_func(intermediate)
+        return self.linear_fc2(intermediate)

@@ -1,0 +1,31 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from distributed_pool import WorkerPool  # noqa: E402
+
+
+class _Pools:
+    def __init__(self):
+        self._pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world_size: int) -> WorkerPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self._pools[world_size] = WorkerPool(world_size)
+        return pool
+
+    def close(self):
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """pools(world_size) -> a WorkerPool shared by every test of the session."""
+    p = _Pools()
+    yield p
+    p.close()

@@ -1,0 +1,137 @@
+"""A pool of gloo worker processes that runs many test cases.
+
+Starting torch in a process takes seconds on a 2-core machine, so each world
+size gets one pool for the whole pytest session. A case is a module-level
+function; every rank runs it and the pool returns each rank's result, or
+raises with every failing rank's traceback. A case that hangs (a rank stuck in
+a collective) times out, the pool is torn down, and the next case gets a
+fresh one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+@dataclass
+class RankError:
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+
+class CaseFailed(AssertionError):
+    def __init__(self, name: str, errors: list[RankError]):
+        self.errors = errors
+        details = "\n".join(f"--- rank {e.rank}: {e.type_name}: {e.message}\n{e.traceback}" for e in errors)
+        super().__init__(f"case {name} failed on ranks {[e.rank for e in errors]}\n{details}")
+
+
+class CaseTimedOut(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str]) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    from megatron_fsdp import parallel_state
+
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module_name, func_name, args, kwargs = task
+        try:
+            func = getattr(importlib.import_module(module_name), func_name)
+            outcome = ("ok", func(*args, **kwargs))
+        except BaseException as exc:  # report everything, including assertion failures
+            outcome = ("error", RankError(rank, type(exc).__name__, str(exc), traceback.format_exc()))
+        finally:
+            parallel_state.destroy_model_parallel()
+        results.put((rank, outcome))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker_main, daemon=True,
+                        args=(rank, world_size, port, self._tasks[rank], self._results, list(sys.path)))
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run(self, func, *args, timeout: float = 300.0, **kwargs) -> list:
+        """Run `func(*args, **kwargs)` on every rank; return the results by rank."""
+        outcomes = self._run(func, args, kwargs, timeout)
+        errors = [o[1] for o in outcomes if o[0] == "error"]
+        if errors:
+            raise CaseFailed(func.__name__, errors)
+        return [o[1] for o in outcomes]
+
+    def run_expecting_errors(self, func, *args, timeout: float = 300.0, **kwargs) -> list[RankError]:
+        """Run a case that must fail on every rank; return each rank's error."""
+        outcomes = self._run(func, args, kwargs, timeout)
+        passed = [rank for rank, o in enumerate(outcomes) if o[0] == "ok"]
+        if passed:
+            raise AssertionError(f"case {func.__name__} did not raise on ranks {passed}")
+        return [o[1] for o in outcomes]
+
+    def _run(self, func, args, kwargs, timeout):
+        if self.broken:
+            raise RuntimeError("worker pool is broken")
+        task = (func.__module__, func.__name__, args, kwargs)
+        for q in self._tasks:
+            q.put(task)
+        outcomes = [None] * self.world_size
+        for _ in range(self.world_size):
+            try:
+                rank, outcome = self._results.get(timeout=timeout)
+            except queue.Empty:
+                self.close()
+                missing = [r for r, o in enumerate(outcomes) if o is None]
+                raise CaseTimedOut(f"case {func.__name__} timed out after {timeout}s; ranks {missing} "
+                                   "did not finish (a hang in a collective?)")
+            outcomes[rank] = outcome
+        return outcomes
+
+    def close(self) -> None:
+        self.broken = True
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -1,0 +1,74 @@
+"""Shared pieces of the multi-process test cases (run inside pool workers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from megatron_fsdp import parallel_state, tensor_parallel
+from megatron_fsdp.transformer import TransformerConfig
+
+# Summation order differs between TP sizes; fp32 agreement to ~1e-5 relative
+# is what reordering alone gives, while a real bug is off by orders more.
+FP32_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+def setup_parallel(tp: int = 1, seed: int = 1234, **kwargs) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **kwargs)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def make_config(**overrides) -> TransformerConfig:
+    fields = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: full_tensor(p.detach()).clone() for name, p in model.named_parameters()}
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full gradient; also checks that a replicated parameter
+    received the same gradient on every tensor-parallel rank."""
+    grads = {}
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient"
+        g = full_tensor(p.grad)
+        if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
+            local = g.to_local() if isinstance(g, DTensor) else g
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+            dist.all_gather(gathered, local.contiguous(), group=tp_group)
+            for other in gathered[1:]:
+                torch.testing.assert_close(other, gathered[0], rtol=0, atol=0,
+                                           msg=lambda m: f"{name}: gradient differs across TP ranks\n{m}")
+            g = local
+        grads[name] = g.clone()
+    return grads
+
+
+def assert_close_dicts(actual: dict, expected: dict, what: str, **tolerance) -> None:
+    tolerance = tolerance or FP32_TOLERANCE
+    assert actual.keys() == expected.keys(), f"{what}: names differ: {sorted(actual.keys() ^ expected.keys())}"
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **tolerance,
+                                   msg=lambda m: f"{what} {name}:\n{m}")
+
+
+def batch(vocab: int, b: int = 2, s: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    weights = torch.rand(b, s, generator=g)
+    positions = torch.arange(s).expand(b, s)
+    return ids, labels, positions, weights
