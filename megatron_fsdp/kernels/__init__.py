@@ -38,8 +38,13 @@ def extension_import_error() -> ImportError | None:
 
 def _pack_into_reference(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     total = sum(t.numel() for t in inputs)
-    if out.dim() != 1 or not out.is_contiguous():
-        raise RuntimeError("pack_into: out must be 1-D and contiguous")
+    if out.dim() != 1:
+        raise RuntimeError(f"pack_into: out must be 1-D, got {out.dim()} dimensions")
+    if not out.is_contiguous():
+        raise RuntimeError("pack_into: out must be contiguous")
+    for i, t in enumerate(inputs):
+        if t.device != out.device:
+            raise RuntimeError(f"pack_into: inputs[{i}] is on {t.device} but out is on {out.device}")
     if total > out.numel():
         raise RuntimeError(f"pack_into: inputs hold {total} elements but out has only {out.numel()}")
     offset = 0

@@ -127,6 +127,14 @@ class GPTModel(nn.Module):
         if inference_context is not None or inference_params is not None or packed_seq_params is not None:
             raise NotImplementedError("inference contexts and packed sequences are not supported")
         if decoder_input is None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(input_ids.shape)}")
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            if self.config.sequence_parallel and input_ids.size(1) % tp != 0:
+                raise ValueError(
+                    f"sequence length {input_ids.size(1)} is not divisible by the tensor-parallel "
+                    f"size {tp}, as sequence_parallel requires"
+                )
             decoder_input = self.embedding(input_ids, position_ids)
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:

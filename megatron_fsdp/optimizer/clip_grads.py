@@ -1,0 +1,74 @@
+"""Gradient norm and clipping over parameters sharded any way.
+
+A DTensor gradient's local norms are summed over the mesh dimensions on which
+it is sharded and not over those on which it is replicated, so every element
+counts exactly once whether it is split by TP, by FSDP, or both. A plain
+tensor gradient is taken to be replicated (norm weights, for instance).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+_Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+def _as_list(tensors: _Tensors) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _shard_groups(t: DTensor) -> tuple:
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if p.is_shard())
+
+
+def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 2) -> float:
+    """The norm of all gradients together, the same value on every rank."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    grads = _as_list(grads_for_norm)
+    if not grads:
+        return 0.0
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        groups = _shard_groups(g) if isinstance(g, DTensor) else ()
+        if norm_type == math.inf:
+            value = local.detach().abs().max().float() if local.numel() else local.new_zeros((), dtype=torch.float32)
+        else:
+            value = torch.linalg.vector_norm(local.detach().float(), norm_type) ** norm_type
+        buckets.setdefault(tuple(id(x) for x in groups), [groups, []])[1].append(value)
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    total = None
+    for groups, values in buckets.values():
+        value = torch.stack(values).max() if norm_type == math.inf else torch.stack(values).sum()
+        for group in groups:  # one reduction per sharded mesh dimension
+            dist.all_reduce(value, op=op, group=group)
+        total = value if total is None else (torch.maximum(total, value) if norm_type == math.inf else total + value)
+    return float(total if norm_type == math.inf else total ** (1.0 / norm_type))
+
+
+def clip_grad_by_total_norm_fp32(parameters: _Tensors, max_norm: float, total_norm: float) -> None:
+    """Scale every gradient by max_norm / total_norm when that is below 1."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        grads = [p.grad for p in _as_list(parameters) if p.grad is not None]
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(clip_coeff)
+
+
+def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: Union[int, float] = 2) -> float:
+    """Clip gradients to a total norm of `max_norm`; returns the norm before clipping."""
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    params = [p for p in _as_list(parameters) if p.grad is not None]
+    total_norm = get_grad_norm_fp32([p.grad for p in params], norm_type)
+    clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
+    return total_norm

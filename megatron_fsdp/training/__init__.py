@@ -1,0 +1,1 @@
+"""Pieces of the pretraining entry point (examples/pretrain_gpt.py)."""

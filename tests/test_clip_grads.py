@@ -1,0 +1,35 @@
+"""Gradient norms count every element once, however the gradient is split."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import batch, full_grads, make_config, setup_parallel
+from megatron_fsdp.models.gpt import GPTModel
+from megatron_fsdp.optimizer import clip_grad_norm_, get_grad_norm_fp32
+
+
+def _case_grad_norm(tp):
+    setup_parallel(tp)
+    model = GPTModel(make_config(sequence_parallel=tp > 1), vocab_size=64, max_sequence_length=16)
+    ids, labels, positions, weights = batch(64)
+    (model(ids, positions, None, labels=labels) * weights).sum().backward()
+    dense = torch.cat([g.reshape(-1) for g in full_grads(model).values()])
+    grads = [p.grad for p in model.parameters()]
+    torch.testing.assert_close(torch.tensor(get_grad_norm_fp32(grads)), dense.norm(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(get_grad_norm_fp32(grads, math.inf)), dense.abs().max(),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(torch.tensor(get_grad_norm_fp32(grads, 1)), dense.abs().sum(), rtol=1e-5, atol=0)
+    max_norm = 0.5 * dense.norm().item()
+    returned = clip_grad_norm_(model.parameters(), max_norm)
+    torch.testing.assert_close(torch.tensor(returned), dense.norm(), rtol=1e-5, atol=0)
+    clipped = torch.cat([g.reshape(-1) for g in full_grads(model).values()])
+    torch.testing.assert_close(clipped, dense * (max_norm / (dense.norm().item() + 1e-6)), rtol=1e-5, atol=1e-8)
+    with pytest.raises(ValueError, match="max_norm must be positive, got 0"):
+        clip_grad_norm_(model.parameters(), 0)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_grad_norm_matches_dense(pools, tp):
+    pools(4).run(_case_grad_norm, tp)

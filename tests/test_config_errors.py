@@ -1,0 +1,99 @@
+"""Bad configuration gets a clear error naming the bad value, before any work."""
+
+import pytest
+import torch
+
+from helpers import make_config, setup_parallel
+from megatron_fsdp.models.gpt import GPTModel, ModuleSpec, get_gpt_layer_local_spec
+from megatron_fsdp.transformer import TransformerConfig, TransformerLayer
+
+BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("overrides,error,match", [
+    (dict(num_attention_heads=6, hidden_size=36, tensor_model_parallel_size=4), ValueError,
+     r"num_attention_heads \(6\) must be divisible by tensor_model_parallel_size \(4\)"),
+    (dict(hidden_size=30), ValueError, r"hidden_size \(30\) must be divisible by num_attention_heads \(4\)"),
+    (dict(num_query_groups=3), ValueError, r"divisible by num_query_groups \(3\)"),
+    (dict(num_attention_heads=8, num_query_groups=2, tensor_model_parallel_size=4), ValueError,
+     r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)"),
+    (dict(ffn_hidden_size=30, tensor_model_parallel_size=4), ValueError, r"ffn_hidden_size \(30\)"),
+    (dict(num_layers=0), ValueError, r"num_layers must be a positive integer, got 0"),
+    (dict(normalization="BatchNorm"), ValueError, r"normalization must be one of .* got 'BatchNorm'"),
+    (dict(hidden_dropout=1.5), ValueError, r"hidden_dropout must be in \[0, 1\), got 1.5"),
+    (dict(recompute_granularity="full"), ValueError, r"recompute_method 'uniform' or 'block'"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3), ValueError,
+     r"recompute_num_layers must be an integer in \[1, num_layers=2\]"),
+    (dict(recompute_granularity="partial"), ValueError, r"recompute_granularity must be one of"),
+    (dict(recompute_method="block"), ValueError, r"recompute_granularity is None"),
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"]), ValueError, r"\['mlp'\]"),
+    (dict(fp8="hybrid"), NotImplementedError, r"fp8='hybrid' is not supported"),
+    (dict(num_moe_experts=8), NotImplementedError, r"num_moe_experts=8"),
+    (dict(pipeline_model_parallel_size=2), NotImplementedError, r"pipeline_model_parallel_size=2"),
+    (dict(gradient_accumulation_fusion=True), NotImplementedError, r"gradient_accumulation_fusion=True"),
+    (dict(distribute_saved_activations=True), NotImplementedError, r"distribute_saved_activations"),
+    (dict(fp16=True, bf16=True), ValueError, r"fp16 and bf16 cannot both be True"),
+    (dict(params_dtype=torch.int32), ValueError, r"params_dtype must be a floating-point"),
+    (dict(tensor_model_parallel_size=0), ValueError, r"tensor_model_parallel_size must be a positive integer"),
+])
+def test_transformer_config_rejects(overrides, error, match):
+    with pytest.raises(error, match=match):
+        TransformerConfig(**{**BASE, **overrides})
+
+
+def test_transformer_config_derives_megatron_defaults():
+    cfg = TransformerConfig(**BASE)
+    assert (cfg.kv_channels, cfg.ffn_hidden_size, cfg.num_query_groups) == (8, 128, 4)
+    assert callable(cfg.init_method) and callable(cfg.output_layer_init_method)
+    with pytest.warns(UserWarning, match="bias_activation_fusion accepted"):
+        TransformerConfig(**BASE, bias_activation_fusion=True)
+
+
+def _case_gpt_model_errors(case):
+    setup_parallel(tp=2)
+    if case == "tp_mismatch":
+        GPTModel(make_config(tensor_model_parallel_size=1), vocab_size=64, max_sequence_length=16)
+    elif case == "vocab":
+        GPTModel(make_config(), vocab_size=63, max_sequence_length=16)
+    elif case == "pipeline":
+        GPTModel(make_config(), vocab_size=64, max_sequence_length=16, post_process=False)
+    elif case == "spec":
+        GPTModel(make_config(), transformer_layer_spec=ModuleSpec(module=torch.nn.Linear), vocab_size=64,
+                 max_sequence_length=16)
+    elif case == "position_type":
+        GPTModel(make_config(), vocab_size=64, max_sequence_length=16, position_embedding_type="alibi")
+    elif case == "too_long":
+        model = GPTModel(make_config(), vocab_size=64, max_sequence_length=8)
+        ids = torch.zeros(1, 16, dtype=torch.long)
+        model(ids, torch.arange(16)[None], None)
+    elif case == "sp_seq_len":
+        model = GPTModel(make_config(sequence_parallel=True), vocab_size=64, max_sequence_length=16,
+                         position_embedding_type="rope")
+        model(torch.zeros(1, 15, dtype=torch.long), None, None)
+    elif case == "context_parallel":
+        GPTModel(make_config(context_parallel_size=2), vocab_size=64, max_sequence_length=16)
+    else:
+        raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("tp_mismatch", "ValueError", "config.tensor_model_parallel_size (1) differs from the initialized "
+                                  "tensor-parallel size (2)"),
+    ("vocab", "ValueError", "vocabulary size 63 is not divisible by the tensor-parallel size 2"),
+    ("pipeline", "NotImplementedError", "pipeline stages"),
+    ("spec", "TypeError", "transformer_layer_spec must be None"),
+    ("position_type", "ValueError", "got 'alibi'"),
+    ("too_long", "ValueError", "sequence length 16 exceeds max_sequence_length 8"),
+    ("sp_seq_len", "ValueError", "sequence length 15 is not divisible by the tensor-parallel size 2"),
+    ("context_parallel", "NotImplementedError", "context parallelism is not implemented"),
+])
+def test_gpt_model_rejects_on_every_rank(pools, case, error, match):
+    errors = pools(2).run_expecting_errors(_case_gpt_model_errors, case)
+    for e in errors:
+        assert e.type_name == error and match in e.message, f"rank {e.rank}: {e.type_name}: {e.message}"
+
+
+def test_layer_specs_name_the_layer():
+    assert get_gpt_layer_local_spec().module is TransformerLayer
+    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+        get_gpt_layer_local_spec(num_experts=4)

@@ -1,0 +1,83 @@
+"""The extension's pack_into op against torch's own copies."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_fsdp import kernels
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_extension_is_built_when_required():
+    if os.environ.get("MEGATRON_FSDP_REQUIRE_EXTENSION") != "1":
+        pytest.skip("MEGATRON_FSDP_REQUIRE_EXTENSION is not set")
+    assert kernels.extension_available(), f"extension failed to import: {kernels.extension_import_error()}"
+    assert hasattr(torch.ops.megatron_fsdp, "pack_into")
+
+
+def _random_inputs(seed: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    inputs = []
+    for _ in range(int(torch.randint(1, 40, (1,), generator=g))):
+        shape = tuple(int(s) for s in torch.randint(0, 7, (int(torch.randint(0, 4, (1,), generator=g)),),
+                                                    generator=g))
+        dtype = [torch.float32, torch.bfloat16, torch.float16, torch.float64][int(torch.randint(0, 4, (1,), generator=g))]
+        t = torch.randn(shape, generator=g).to(dtype)
+        if t.dim() >= 2 and torch.rand(1, generator=g) < 0.3:
+            t = t.transpose(0, 1)  # non-contiguous
+        inputs.append(t.to(device))
+    return inputs
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(8))
+def test_pack_into_matches_cat(seed, out_dtype):
+    inputs = _random_inputs(seed)
+    total = sum(t.numel() for t in inputs)
+    out = torch.full((total + 3,), -7.0, dtype=out_dtype)
+    kernels.pack_into(inputs, out)
+    expected = torch.cat([t.reshape(-1).to(out_dtype) for t in inputs]) if inputs else torch.empty(0, dtype=out_dtype)
+    assert torch.equal(out[:total], expected)
+    assert torch.equal(out[total:], torch.full((3,), -7.0, dtype=out_dtype)), "wrote past the packed elements"
+
+
+def test_pack_into_handles_misaligned_storage_and_views():
+    base = torch.arange(100, dtype=torch.float32)
+    inputs = [base[1:8], base[13:14], base[20:40].view(4, 5)[:, 1:3], torch.empty(0)]
+    out_storage = torch.zeros(64)
+    out = out_storage[3:3 + 7 + 1 + 8]  # misaligned, still contiguous 1-D
+    kernels.pack_into(inputs, out)
+    assert torch.equal(out, torch.cat([t.reshape(-1) for t in inputs]))
+    assert torch.count_nonzero(out_storage[:3]) == 0 and torch.count_nonzero(out_storage[19:]) == 0
+
+
+@pytest.mark.parametrize("pack", [kernels.pack_into, kernels._pack_into_reference], ids=["op", "fallback"])
+def test_pack_into_rejects_bad_output_before_writing(pack):
+    inputs = [torch.ones(5), torch.ones(6)]
+    small = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="inputs hold 11 elements but out has only 10"):
+        pack(inputs, small)
+    assert torch.count_nonzero(small) == 0, "nothing may be written when the output is too small"
+    with pytest.raises(RuntimeError, match="1-D"):
+        pack(inputs, torch.zeros(4, 4))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        pack(inputs, torch.zeros(40)[::2])
+
+
+@requires_cuda
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_into_cuda_matches_cat(seed):
+    inputs = _random_inputs(seed, "cuda")
+    total = sum(t.numel() for t in inputs)
+    out = torch.zeros(total, dtype=torch.float32, device="cuda")
+    kernels.pack_into(inputs, out)
+    expected = torch.cat([t.reshape(-1).float() for t in inputs]) if inputs else out[:0]
+    assert torch.equal(out, expected)
+
+
+@requires_cuda
+def test_pack_into_rejects_mixed_devices():
+    with pytest.raises(RuntimeError, match="is on"):
+        kernels.pack_into([torch.ones(3)], torch.zeros(3, device="cuda"))
