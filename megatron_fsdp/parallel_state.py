@@ -299,6 +299,16 @@ def get_data_parallel_mesh(with_context_parallel: bool = False) -> DeviceMesh:
     return _state().dim_meshes["dp_cp" if with_context_parallel else "dp"]
 
 
+def get_hybrid_data_parallel_mesh() -> DeviceMesh:
+    """2D (dp_replicate, dp_shard) mesh for HSDP: replicated across
+    distributed-optimizer instances, sharded within one."""
+    state = _state()
+    if state.context_parallel_size > 1:
+        raise NotImplementedError("HSDP with context parallelism is not supported")
+    names = state.mesh.mesh_dim_names
+    return state.mesh[tuple(sorted(("dp_replicate", "dp_shard"), key=names.index))]
+
+
 # ------------------------------------------------------------ Megatron getters
 
 

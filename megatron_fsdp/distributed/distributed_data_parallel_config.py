@@ -1,0 +1,110 @@
+"""DistributedDataParallelConfig with Megatron-Core's fields and defaults.
+
+Fields this library honours are documented on the class; every other field
+raises NotImplementedError when set away from its default, so no option is
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class DistributedDataParallelConfig:
+    """Honoured by TorchFullyShardedDataParallel:
+
+    - grad_reduce_in_fp32: reduce-scatter gradients in fp32 under bf16/fp16 training.
+    - overlap_grad_reduce / overlap_param_gather: FSDP2 always overlaps its
+      reduce-scatters and all-gathers with compute, so both values hold.
+    - use_distributed_optimizer: FSDP always shards optimizer state (True holds;
+      False is the Megatron default and changes nothing under FSDP).
+    - num_distributed_optimizer_instances: > 1 selects HSDP, replicating across
+      instances and sharding within one (must match parallel_state).
+    - check_for_nan_in_grad: finish_grad_sync() raises if a gradient is not finite.
+    - average_in_collective: gradients are averaged over data-parallel ranks
+      either way; the flag only selects how Megatron computes the same mean.
+    """
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    align_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    check_for_large_grads: bool = False
+    bucket_size: Optional[int] = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_custom_fsdp: bool = False
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    gradient_reduce_div_fusion: bool = True
+    suggested_communication_unit_size: Optional[int] = None
+    preserve_fp32_weights: bool = True
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    disable_symmetric_registration: bool = False
+    delay_wgrad_compute: bool = False
+
+    # Why each unsupported field is unsupported, for the error message.
+    _UNSUPPORTED = {
+        "align_param_gather": "it aligns pipeline-parallel param gathers; there is no pipeline parallelism",
+        "check_for_large_grads": "not implemented",
+        "bucket_size": "FSDP2 communicates per wrapped module: choose the units with sub_modules_to_wrap, "
+                       "or one unit with disable_bucketing=True",
+        "pad_buckets_for_high_nccl_busbw": "FSDP2 has no Megatron buckets",
+        "fp8_param_gather": "fp8 all-gather is not implemented yet",
+        "reuse_grad_buf_for_mxfp8_param_ag": "mxfp8 is not supported",
+        "use_custom_fsdp": "this is the torch FSDP2 path, not Megatron-FSDP",
+        "use_megatron_fsdp": "this is the torch FSDP2 path, not Megatron-FSDP",
+        "data_parallel_sharding_strategy": "a Megatron-FSDP option; use reshard_after_forward "
+                                           "(True = ZeRO-3, False = ZeRO-2)",
+        "gradient_reduce_div_fusion": "a Megatron-FSDP option",
+        "suggested_communication_unit_size": "a Megatron-FSDP option; use sub_modules_to_wrap",
+        "preserve_fp32_weights": "master weights are always fp32 under mixed precision",
+        "keep_fp8_transpose_cache": "fp8 is not supported",
+        "nccl_ub": "NCCL user buffers are not supported",
+        "fsdp_double_buffer": "a Megatron-FSDP option",
+        "outer_dp_sharding_strategy": "a Megatron-FSDP option; HSDP replicates across "
+                                      "num_distributed_optimizer_instances",
+        "disable_symmetric_registration": "a Megatron-FSDP option",
+        "delay_wgrad_compute": "not implemented",
+    }
+
+    def __post_init__(self):
+        n = self.num_distributed_optimizer_instances
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {n!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
+        for name, why in self._UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value != defaults[name]:
+                raise NotImplementedError(
+                    f"{type(self).__name__}.{name}={value!r} is not supported by megatron_fsdp "
+                    f"(only {defaults[name]!r}): {why}"
+                )
+
+
+@dataclasses.dataclass
+class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
+    """reshard_after_forward: True frees gathered parameters after forward and
+    gathers them again in backward (ZeRO-3); False keeps them until backward
+    (ZeRO-2); an int n keeps them sharded over groups of n ranks in between
+    (n must divide the data-parallel shard size)."""
+
+    reshard_after_forward: bool | int = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        value = self.reshard_after_forward
+        if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 2):
+            raise ValueError(
+                f"reshard_after_forward must be True, False or an int >= 2, got {value!r}"
+            )
