@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .. import parallel_state
+from ..initialization import initialize_parameters
 from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from ..tensor_parallel.layers import ColumnParallelLinear
@@ -51,6 +52,10 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
       reduced in that dtype, or in fp32 with `ddp_config.grad_reduce_in_fp32`.
     - HSDP: with `ddp_config.num_distributed_optimizer_instances > 1` the
       parameters are replicated across instances and sharded within one.
+    - Meta device: a model built under `torch.device("meta")` (or with
+      `config.init_model_with_meta_device`) is materialized shard by shard
+      and initialized here, from the current generator state: seeded as
+      before a normal build, it holds exactly the normally built weights.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         if mp_policy.param_dtype is not None:
             module.float()  # sharded master weights in fp32; FSDP gathers them in param_dtype
 
+        on_meta = any(p.device.type == "meta" for p in module.parameters())
         self.fsdp_units = self._units(module)
         for unit in self.fsdp_units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
@@ -95,6 +101,11 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
             # implicit prefetch order; prefetch the previous unit explicitly.
             for previous, unit in zip(self.fsdp_units_in_forward_order, self.fsdp_units_in_forward_order[1:]):
                 unit.set_modules_to_backward_prefetch([previous])
+        if on_meta:
+            # Materialize only the shards, then draw the values a normal build would.
+            module.to_empty(device=parallel_state.get_device() if process_group is None
+                            else torch.device(_mesh_device_type(process_group)))
+            initialize_parameters(module)
         self._in_no_sync = False
         self._unsynced_backward = False
 
@@ -139,6 +150,11 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         r = self.reshard_after_forward
         if isinstance(r, bool):
             return
+        if any(isinstance(p, DTensor) for p in self.module.parameters()):
+            raise NotImplementedError(
+                f"reshard_after_forward={r}: torch FSDP2 cannot reshard tensor-parallel (DTensor) "
+                "parameters to a smaller mesh; use True or False with tensor parallelism"
+            )
         shard_size = mesh.size(mesh.ndim - 1)
         if shard_size % r != 0 or r >= shard_size:
             raise ValueError(
@@ -266,5 +282,6 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = not any(isinstance(v, DTensor) for v in state_dict.values())
-        return set_model_state_dict(self.module, state_dict,
+        # A copy: torch replaces full tensors in the dict it is given by their shards.
+        return set_model_state_dict(self.module, dict(state_dict),
                                     options=StateDictOptions(full_state_dict=full, strict=strict))

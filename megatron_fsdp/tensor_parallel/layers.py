@@ -24,7 +24,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .utils import divide, init_full_tensor, local_tensor, make_tp_parameter
+from .utils import divide, init_full_tensor, local_tensor, make_tp_parameter, record_init
 
 
 def _reject(layer: str, **options) -> None:
@@ -102,9 +102,11 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = make_tp_parameter(
                 init_full_tensor((output_size, input_size), init_method, config), 0, config)
+            record_init(self, "weight", init_method, config)
         if bias:
             full_bias = init_full_tensor((output_size,), nn.init.zeros_, config)
             self.bias = make_tp_parameter(full_bias, 0, config)
+            record_init(self, "bias", nn.init.zeros_, config)
         else:
             self.register_parameter("bias", None)
 
@@ -181,8 +183,10 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(input_size, tp_size)
         self.weight = make_tp_parameter(
             init_full_tensor((output_size, input_size), init_method, config), 1, config)
+        record_init(self, "weight", init_method, config)
         if bias:
             self.bias = make_tp_parameter(init_full_tensor((output_size,), nn.init.zeros_, config), None, config)
+            record_init(self, "bias", nn.init.zeros_, config)
         else:
             self.register_parameter("bias", None)
 
@@ -235,6 +239,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.weight = make_tp_parameter(
             init_full_tensor((num_embeddings, embedding_dim), init_method, config), 0, config)
+        record_init(self, "weight", init_method, config)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """[b, s] ids -> [b, s, h], or [s/tp, b, h] with reduce_scatter_embeddings."""

@@ -43,9 +43,24 @@ def init_full_tensor(shape: tuple[int, ...], init_method: Optional[Callable], co
     return full
 
 
+def record_init(module: torch.nn.Module, name: str, init_method: Optional[Callable], config) -> None:
+    """Remember how `module.<name>` gets its initial value, so that a model
+    built on the meta device can be initialized later with exactly the values
+    a normal build draws (see megatron_fsdp.initialization)."""
+    if "_megatron_param_init" not in module.__dict__:
+        module._megatron_param_init = {}
+    module._megatron_param_init[name] = (init_method, config)
+
+
 def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> torch.nn.Parameter:
     """A parameter holding this rank's part of `full` as a DTensor on the TP mesh:
-    Shard(shard_dim), or Replicate() when `shard_dim` is None."""
+    Shard(shard_dim), or Replicate() when `shard_dim` is None.
+
+    With a tensor-parallel size of 1 the parameter is a plain tensor: there is
+    nothing to shard, and FSDP2 offers features to plain parameters that it
+    does not to DTensor ones (an int reshard_after_forward, for one).
+    Checkpoints still reshard: DCP loads a plain tensor into a DTensor and back.
+    """
     mesh = parallel_state.get_tensor_model_parallel_mesh()
     tp_size = mesh.size()
     if shard_dim is None:
@@ -62,6 +77,8 @@ def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> t
     # copy=True: a shard that is a view would keep the whole `full` tensor alive.
     local = local.to(device=device, dtype=config.params_dtype, copy=True,
                      memory_format=torch.contiguous_format)
+    if tp_size == 1:
+        return torch.nn.Parameter(local)
     dtensor = DTensor.from_local(local, mesh, [placement], run_check=False,
                                  shape=full.shape, stride=full.stride())
     return torch.nn.Parameter(dtensor)

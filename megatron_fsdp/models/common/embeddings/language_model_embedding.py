@@ -11,14 +11,19 @@ from .... import parallel_state
 from ....tensor_parallel import random as tp_random
 from ....tensor_parallel.layers import VocabParallelEmbedding
 from ....tensor_parallel.mappings import scatter_to_sequence_parallel_region
-from ....tensor_parallel.utils import init_full_tensor
+from ....tensor_parallel.utils import init_full_tensor, record_init
 
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
 
-def _replicated_parameter(full: torch.Tensor, config) -> nn.Parameter:
+def _replicated_embedding(num: int, dim: int, config) -> nn.Embedding:
+    """An nn.Embedding whose table is the same on every TP rank."""
+    full = init_full_tensor((num, dim), config.init_method, config)
     device = full.device if full.device.type == "meta" else parallel_state.get_device()
-    return nn.Parameter(full.to(device=device, dtype=config.params_dtype, copy=True))
+    weight = nn.Parameter(full.to(device=device, dtype=config.params_dtype, copy=True))
+    embedding = nn.Embedding(num, dim, _weight=weight)
+    record_init(embedding, "weight", config.init_method, config)
+    return embedding
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -47,11 +52,9 @@ class LanguageModelEmbedding(nn.Module):
             vocab_size, config.hidden_size, init_method=config.init_method,
             reduce_scatter_embeddings=self.reduce_scatter_embeddings, config=config, tp_group=tp_group)
         if self.add_position_embedding:
-            self.position_embeddings = nn.Embedding(max_sequence_length, config.hidden_size, _weight=_replicated_parameter(
-                init_full_tensor((max_sequence_length, config.hidden_size), config.init_method, config), config))
+            self.position_embeddings = _replicated_embedding(max_sequence_length, config.hidden_size, config)
         if num_tokentypes > 0:
-            self.tokentype_embeddings = nn.Embedding(num_tokentypes, config.hidden_size, _weight=_replicated_parameter(
-                init_full_tensor((num_tokentypes, config.hidden_size), config.init_method, config), config))
+            self.tokentype_embeddings = _replicated_embedding(num_tokentypes, config.hidden_size, config)
         else:
             self.tokentype_embeddings = None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)

@@ -33,14 +33,18 @@ class RotaryEmbedding(nn.Module):
             )
         self.dim = dim
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
-        device = None if torch.empty(0).device.type == "meta" else parallel_state.get_device()
-        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base ** exponents), persistent=False)
         self.rotary_base = rotary_base
+        device = None if torch.empty(0).device.type == "meta" else parallel_state.get_device()
+        self.register_buffer("inv_freq", self._inverse_frequencies(device), persistent=False)
 
-    def reset_parameters(self) -> None:
-        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=self.inv_freq.device) / self.dim
-        self.inv_freq.copy_(1.0 / (self.rotary_base ** exponents))
+    def _inverse_frequencies(self, device) -> torch.Tensor:
+        exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
+        return 1.0 / (self.rotary_base ** exponents)
+
+    def reset_buffers(self) -> None:
+        """Recompute the frequencies (after materializing a meta-device model)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(self._inverse_frequencies(self.inv_freq.device))
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
         """Angles [max_seq_len, 1, 1, dim] (each frequency twice, as rotate-half expects)."""

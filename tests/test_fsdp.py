@@ -1,0 +1,311 @@
+"""TorchFullyShardedDataParallel against a dense single-process reference."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import reference_gpt
+from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel
+from megatron_fsdp import parallel_state, tensor_parallel
+from megatron_fsdp.distributed import (
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+)
+from megatron_fsdp.models.gpt import GPTModel
+
+STEPS = 3
+LR = 1e-2
+# The key bias gets an exactly-zero gradient (softmax ignores it), so its
+# computed gradient is rounding noise; Adam's default eps=1e-8 would blow that
+# noise up to a full step. A larger eps keeps the comparison meaningful.
+ADAM = dict(lr=LR, eps=1e-5)
+SEQ = 16
+MICRO = 2
+
+LAYOUTS = {
+    # name: (world size, tp, parallel_state kwargs, ddp_config kwargs, wrapper kwargs)
+    "dp2_zero3": (2, 1, {}, dict(reshard_after_forward=True), {}),
+    "dp4_zero3": (4, 1, {}, dict(reshard_after_forward=True), {}),
+    "dp4_zero2": (4, 1, {}, dict(reshard_after_forward=False), {}),
+    "dp4_reshard_to_2": (4, 1, {}, dict(reshard_after_forward=2), {}),
+    "dp4_one_unit": (4, 1, {}, {}, dict(disable_bucketing=True)),
+    "tp2_dp2_sequence_parallel": (4, 2, {}, {}, {}),
+    "hsdp_2x2": (4, 1, dict(num_distributed_optimizer_instances=2), dict(num_distributed_optimizer_instances=2), {}),
+}
+
+MODELS = {
+    "plain": (dict(), dict()),
+    # 66 rows, ffn 50, hidden 36: no parameter divides evenly over 4 ranks.
+    "uneven": (dict(hidden_size=36, num_attention_heads=4, ffn_hidden_size=50), dict(vocab_size=66)),
+    "tied_rope": (dict(), dict(share_embeddings_and_output_weights=True, position_embedding_type="rope")),
+}
+
+
+def _global_batch(dp_size, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (STEPS, dp_size * MICRO, SEQ), generator=g)
+    labels = torch.randint(0, vocab, (STEPS, dp_size * MICRO, SEQ), generator=g)
+    return ids, labels
+
+
+def _reference_training(params, cfg, model_kwargs, ids, labels):
+    """Dense full-batch AdamW on a copy of the initial full weights."""
+    ref = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+    opt = torch.optim.AdamW(ref.values(), **ADAM)
+    losses = []
+    for step in range(STEPS):
+        loss = reference_gpt.gpt_forward(
+            ref, cfg, ids[step], labels[step],
+            position_embedding_type=model_kwargs.get("position_embedding_type", "learned_absolute"),
+            tied=model_kwargs.get("share_embeddings_and_output_weights", False)).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in ref.items()}
+
+
+def _build(tp, model_name, ps_kwargs, ddp_kwargs, wrapper_kwargs, *, meta=False, bf16=False):
+    setup_parallel(tp, **ps_kwargs)
+    cfg_kwargs, model_kwargs = MODELS[model_name]
+    cfg = make_config(sequence_parallel=tp > 1, bf16=bf16, **cfg_kwargs)
+    model_kwargs = dict(dict(vocab_size=64, max_sequence_length=SEQ), **model_kwargs)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = GPTModel(cfg, **model_kwargs)
+    ddp_config = TorchFullyShardedDataParallelConfig(**ddp_kwargs)
+    return cfg, model_kwargs, TorchFullyShardedDataParallel(cfg, ddp_config, model, **wrapper_kwargs)
+
+
+def _train_sharded(wrapped, ids, labels):
+    dp_rank = parallel_state.get_data_parallel_rank()
+    opt = torch.optim.AdamW(wrapped.parameters(), **ADAM)
+    losses = []
+    positions = torch.arange(SEQ).expand(MICRO, SEQ)
+    for step in range(STEPS):
+        rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
+        loss = wrapped(ids[step, rows], positions, None, labels=labels[step, rows]).float().mean()
+        loss.backward()
+        wrapped.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+        reported = loss.detach().clone()
+        dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+        losses.append(reported.item() / parallel_state.get_data_parallel_world_size())
+    return losses
+
+
+def _case_training_parity(layout, model_name, meta=False, bf16=False):
+    _, tp, ps_kwargs, ddp_kwargs, wrapper_kwargs = LAYOUTS[layout]
+    cfg, model_kwargs, wrapped = _build(tp, model_name, ps_kwargs, ddp_kwargs, wrapper_kwargs, meta=meta, bf16=bf16)
+    initial = full_params(wrapped.module)
+    ids, labels = _global_batch(parallel_state.get_data_parallel_world_size(), model_kwargs["vocab_size"])
+    ref_losses, ref_params = _reference_training(initial, cfg, model_kwargs, ids, labels)
+    losses = _train_sharded(wrapped, ids, labels)
+    if bf16:
+        # bf16 compute, fp32 master weights and reduction: agreement to bf16 precision.
+        # Adam turns bf16 rounding on near-zero gradients into whole +-lr steps,
+        # so compare the update as a whole: within 10% of the fp32 update.
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+        got = full_params(wrapped.module)
+        update_error = torch.cat([(got[n] - ref_params[n]).reshape(-1) for n in ref_params]).norm()
+        update = torch.cat([(ref_params[n] - initial[n]).reshape(-1) for n in ref_params]).norm()
+        assert update_error < 0.1 * update, f"bf16 update differs by {update_error / update:.1%} from fp32"
+        assert all(p.dtype == torch.float32 for p in wrapped.parameters()), "master weights must stay fp32"
+    else:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32_TOLERANCE)
+        assert_close_dicts(full_params(wrapped.module), ref_params, "updated weight")
+    return initial
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_training_matches_dense_reference(pools, layout):
+    pools(LAYOUTS[layout][0]).run(_case_training_parity, layout, "plain")
+
+
+@pytest.mark.parametrize("model_name", ["uneven", "tied_rope"])
+@pytest.mark.parametrize("layout", ["dp4_zero3", "tp2_dp2_sequence_parallel"])
+def test_training_matches_for_uneven_and_tied_models(pools, layout, model_name):
+    pools(4).run(_case_training_parity, layout, model_name)
+
+
+def test_bf16_training_matches_within_bf16_precision(pools):
+    pools(4).run(_case_training_parity, "tp2_dp2_sequence_parallel", "plain", bf16=True)
+
+
+def _case_meta_device_init(layout, model_name):
+    _, tp, ps_kwargs, ddp_kwargs, wrapper_kwargs = LAYOUTS[layout]
+    *_, normal = _build(tp, model_name, ps_kwargs, ddp_kwargs, wrapper_kwargs)
+    expected = full_params(normal.module)
+    parallel_state.destroy_model_parallel()
+    *_, materialized = _build(tp, model_name, ps_kwargs, ddp_kwargs, wrapper_kwargs, meta=True)
+    assert all(p.device.type == "cpu" for p in materialized.parameters())
+    assert_close_dicts(full_params(materialized.module), expected, "meta-initialized weight", rtol=0, atol=0)
+    parallel_state.destroy_model_parallel()
+    _case_training_parity(layout, model_name, meta=True)
+
+
+@pytest.mark.parametrize("layout,model_name", [("dp4_zero3", "tied_rope"), ("tp2_dp2_sequence_parallel", "uneven")])
+def test_meta_device_init_gives_normal_weights(pools, layout, model_name):
+    pools(4).run(_case_meta_device_init, layout, model_name)
+
+
+def _case_parameters_are_2d_dtensors():
+    *_, wrapped = _build(2, "plain", {}, {}, {})
+    fc1 = wrapped.module.decoder.layers[0].mlp.linear_fc1.weight
+    assert fc1.device_mesh.mesh_dim_names == ("dp_cp", "tp")
+    assert fc1.placements[1].is_shard(0)
+    norm = wrapped.module.decoder.layers[0].input_layernorm.weight
+    assert norm.device_mesh.mesh_dim_names == ("dp_cp",)
+    # Optimizer state and gradients are sharded like the parameters: 1/DP of a TP shard.
+    assert fc1.to_local().numel() == fc1.numel() // 4
+
+
+def test_parameters_are_2d_dp_tp_dtensors(pools):
+    pools(4).run(_case_parameters_are_2d_dtensors)
+
+
+class _CountReduceScatters:
+    """Counts reduce-scatter calls (FSDP2's only collective in backward at TP=1)."""
+
+    names = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __enter__(self):
+        self.count = 0
+        self.saved = {n: getattr(dist, n) for n in self.names if hasattr(dist, n)}
+        for name, fn in self.saved.items():
+            def counting(*args, _fn=fn, **kwargs):
+                self.count += 1
+                return _fn(*args, **kwargs)
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _case_gradient_accumulation(microbatches):
+    *_, wrapped = _build(1, "plain", {}, {}, {})
+    units = len(wrapped.fsdp_units) + 1
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 64, (microbatches * MICRO, SEQ), generator=g)
+    labels = torch.randint(0, 64, (microbatches * MICRO, SEQ), generator=g)
+    positions = torch.arange(SEQ).expand(MICRO, SEQ)
+
+    with _CountReduceScatters() as big:
+        wrapped(ids, torch.arange(SEQ).expand(len(ids), SEQ), None, labels=labels).mean().backward()
+    wrapped.finish_grad_sync()
+    expected = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+    wrapped.zero_grad_buffer()
+
+    with _CountReduceScatters() as accumulated:
+        for i in range(microbatches):
+            last = i == microbatches - 1
+            with contextlib.nullcontext() if last else wrapped.no_sync():
+                rows = slice(i * MICRO, (i + 1) * MICRO)
+                (wrapped(ids[rows], positions, None, labels=labels[rows]).mean() / microbatches).backward()
+    wrapped.finish_grad_sync()
+    assert big.count == units, f"one reduce-scatter per FSDP unit expected, saw {big.count} for {units} units"
+    assert accumulated.count == units, (
+        f"no_sync must skip all reduce-scatters but the last microbatch's: saw {accumulated.count}")
+    got = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+    assert_close_dicts(got, expected, "accumulated gradient")
+
+    # Every backward inside no_sync and none after it: finish_grad_sync refuses.
+    wrapped.zero_grad_buffer()
+    with wrapped.no_sync():
+        wrapped(ids[:MICRO], positions, None, labels=labels[:MICRO]).mean().backward()
+    with pytest.raises(RuntimeError, match="every backward ran inside no_sync"):
+        wrapped.finish_grad_sync()
+
+
+def test_no_sync_accumulates_without_communication(pools):
+    pools(4).run(_case_gradient_accumulation, 3)
+
+
+def _case_helpers():
+    *_, wrapped = _build(2, "plain", {}, dict(check_for_nan_in_grad=True), {})
+    ids = torch.randint(0, 64, (MICRO, SEQ), generator=torch.Generator().manual_seed(1))
+    wrapped(ids, torch.arange(SEQ).expand(MICRO, SEQ), None, labels=ids).mean().backward()
+    wrapped.finish_grad_sync()
+    before = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+    wrapped.scale_gradients(0.5)
+    for n, p in wrapped.module.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), before[n] * 0.5)
+    # A non-finite gradient on one rank is reported by check_for_nan_in_grad.
+    if dist.get_rank() == 1:
+        next(wrapped.parameters()).grad.to_local().view(-1)[0] = float("nan")
+    if dist.get_rank() == 1:
+        with pytest.raises(RuntimeError, match="is not finite"):
+            wrapped.finish_grad_sync()
+    else:
+        wrapped.finish_grad_sync()
+    wrapped.zero_grad_buffer()
+    assert all(p.grad is None for p in wrapped.parameters())
+
+    # broadcast_params and state dicts round-trip the sharded weights.
+    state = {k: v.full_tensor().clone() for k, v in wrapped.state_dict().items()}
+    with torch.no_grad():
+        for p in wrapped.parameters():
+            p.zero_()
+    wrapped.load_state_dict(state)
+    for k, v in wrapped.state_dict().items():
+        torch.testing.assert_close(v.full_tensor(), state[k], rtol=0, atol=0)
+    wrapped.broadcast_params()
+    assert wrapped.state_dict_for_save_checkpoint().keys() == state.keys()
+
+
+def test_megatron_interface_helpers(pools):
+    pools(4).run(_case_helpers)
+
+
+def _case_bad_input(case):
+    setup_parallel(2 if case == "foreign_group_with_tp" else 1)
+    cfg = make_config()
+    model = GPTModel(cfg, vocab_size=64, max_sequence_length=SEQ)
+    if case == "reshard_size":
+        TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(reshard_after_forward=3), model)
+    elif case == "instances":
+        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(num_distributed_optimizer_instances=2), model)
+    elif case == "ddp_config_type":
+        TorchFullyShardedDataParallel(cfg, {"grad_reduce_in_fp32": True}, model)
+    elif case == "wrap_class":
+        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model, sub_modules_to_wrap={int})
+    elif case == "skip_bias_unit":
+        from megatron_fsdp.tensor_parallel import RowParallelLinear
+        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model,
+                                      sub_modules_to_wrap={RowParallelLinear})
+    elif case == "foreign_group_with_tp":
+        group = dist.new_group(list(range(dist.get_world_size())))
+        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model, process_group=group)
+    else:
+        raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("reshard_size", "ValueError", "reshard_after_forward=3 must be a divisor of the data-parallel shard size (4)"),
+    ("instances", "ValueError", "num_distributed_optimizer_instances (2) differs from parallel_state's (1)"),
+    ("ddp_config_type", "TypeError", "ddp_config must be a DistributedDataParallelConfig"),
+    ("wrap_class", "TypeError", "sub_modules_to_wrap must hold nn.Module subclasses"),
+    ("skip_bias_unit", "ValueError", "returns its bias (skip_bias_add=True)"),
+    ("foreign_group_with_tp", "ValueError", "cannot be combined with tensor parallelism"),
+])
+def test_bad_input_raises_on_every_rank(pools, case, error, match):
+    for e in pools(4).run_expecting_errors(_case_bad_input, case):
+        assert e.type_name == error and match in e.message, f"rank {e.rank}: {e.type_name}: {e.message}"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(bucket_size=1000), "bucket_size=1000 is not supported"),
+    (dict(fp8_param_gather=True), "fp8_param_gather=True is not supported"),
+    (dict(data_parallel_sharding_strategy="optim_grads_params"), "use reshard_after_forward"),
+    (dict(use_custom_fsdp=True), "not Megatron-FSDP"),
+])
+def test_ddp_config_rejects_unsupported_fields(kwargs, match):
+    with pytest.raises(NotImplementedError, match=match):
+        TorchFullyShardedDataParallelConfig(**kwargs)
+    with pytest.raises(ValueError, match="reshard_after_forward must be True, False or an int >= 2, got 1"):
+        TorchFullyShardedDataParallelConfig(reshard_after_forward=1)
