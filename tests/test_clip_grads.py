@@ -5,17 +5,25 @@ import math
 import pytest
 import torch
 
-from helpers import batch, full_grads, make_config, setup_parallel
+from helpers import batch, full_tensor, make_config, setup_parallel
+from megatron_fsdp.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallel
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import clip_grad_norm_, get_grad_norm_fp32
 
 
-def _case_grad_norm(tp):
+def _full_grad_vector(model) -> torch.Tensor:
+    return torch.cat([full_tensor(p.grad).reshape(-1) for p in model.parameters()])
+
+
+def _case_grad_norm(tp, fsdp):
     setup_parallel(tp)
-    model = GPTModel(make_config(sequence_parallel=tp > 1), vocab_size=64, max_sequence_length=16)
+    cfg = make_config(sequence_parallel=tp > 1)
+    model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    if fsdp:
+        model = TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model)
     ids, labels, positions, weights = batch(64)
     (model(ids, positions, None, labels=labels) * weights).sum().backward()
-    dense = torch.cat([g.reshape(-1) for g in full_grads(model).values()])
+    dense = _full_grad_vector(model)
     grads = [p.grad for p in model.parameters()]
     torch.testing.assert_close(torch.tensor(get_grad_norm_fp32(grads)), dense.norm(), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(get_grad_norm_fp32(grads, math.inf)), dense.abs().max(),
@@ -24,12 +32,12 @@ def _case_grad_norm(tp):
     max_norm = 0.5 * dense.norm().item()
     returned = clip_grad_norm_(model.parameters(), max_norm)
     torch.testing.assert_close(torch.tensor(returned), dense.norm(), rtol=1e-5, atol=0)
-    clipped = torch.cat([g.reshape(-1) for g in full_grads(model).values()])
+    clipped = _full_grad_vector(model)
     torch.testing.assert_close(clipped, dense * (max_norm / (dense.norm().item() + 1e-6)), rtol=1e-5, atol=1e-8)
     with pytest.raises(ValueError, match="max_norm must be positive, got 0"):
         clip_grad_norm_(model.parameters(), 0)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_grad_norm_matches_dense(pools, tp):
-    pools(4).run(_case_grad_norm, tp)
+@pytest.mark.parametrize("tp,fsdp", [(1, False), (2, False), (4, False), (1, True), (2, True)])
+def test_grad_norm_matches_dense(pools, tp, fsdp):
+    pools(4).run(_case_grad_norm, tp, fsdp)

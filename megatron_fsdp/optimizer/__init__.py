@@ -1,3 +1,11 @@
 from .clip_grads import clip_grad_by_total_norm_fp32, clip_grad_norm_, get_grad_norm_fp32
+from .optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
-__all__ = ["clip_grad_by_total_norm_fp32", "clip_grad_norm_", "get_grad_norm_fp32"]
+__all__ = [
+    "MegatronOptimizer",
+    "OptimizerConfig",
+    "clip_grad_by_total_norm_fp32",
+    "clip_grad_norm_",
+    "get_grad_norm_fp32",
+    "get_megatron_optimizer",
+]

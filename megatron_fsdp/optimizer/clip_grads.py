@@ -23,8 +23,12 @@ def _as_list(tensors: _Tensors) -> list[torch.Tensor]:
 
 
 def _shard_groups(t: DTensor) -> tuple:
+    """Groups of the mesh dims `t` is split over. Every non-replicated
+    placement splits (FSDP's _StridedShard is not a Shard subclass)."""
     mesh = t.device_mesh
-    return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if p.is_shard())
+    if any(p.is_partial() for p in t.placements):
+        raise ValueError(f"gradient has a Partial placement {t.placements}: reduce it before taking its norm")
+    return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if not p.is_replicate())
 
 
 def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 2) -> float:
@@ -43,7 +47,8 @@ def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 
             value = local.detach().abs().max().float() if local.numel() else local.new_zeros((), dtype=torch.float32)
         else:
             value = torch.linalg.vector_norm(local.detach().float(), norm_type) ** norm_type
-        buckets.setdefault(tuple(id(x) for x in groups), [groups, []])[1].append(value)
+        # Keyed by group name: ProcessGroup wrappers are not unique objects.
+        buckets.setdefault(tuple(g.group_name for g in groups), [groups, []])[1].append(value)
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     total = None
     for groups, values in buckets.values():
