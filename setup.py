@@ -47,7 +47,7 @@ setup(
     # No torch requirement here: a bare `torch` would pull a multi-GB CUDA
     # build onto CPU machines. scripts/env.sh installs the right one.
     install_requires=[],
-    extras_require={"test": ["pytest>=7", "numpy"]},
+    extras_require={"test": ["pytest>=7", "numpy", "safetensors"]},
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
     zip_safe=False,

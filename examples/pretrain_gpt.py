@@ -7,13 +7,17 @@
         --mock-data --vocab-size 128 --log-interval 5
 
 Flags are Megatron-LM's. Runs on CPU worker processes with gloo when there is
-no GPU, and on CUDA with NCCL when there is. Data parallelism here averages
-gradients with an all-reduce over the data-parallel group.
+no GPU, and on CUDA with NCCL when there is. With --use-torch-fsdp2 the model
+is sharded by TorchFullyShardedDataParallel (ZeRO-3, or ZeRO-2 with
+--torch-fsdp2-no-reshard-after-forward); without it, data-parallel replicas
+average their gradients with an all-reduce. --save/--load write and read
+resharding DCP checkpoints (--ckpt-format torch_dcp).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -25,8 +29,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_fsdp import parallel_state, tensor_parallel
+from megatron_fsdp.checkpointing import load_checkpoint, read_latest_iteration, save_checkpoint
+from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
-from megatron_fsdp.optimizer import clip_grad_norm_
+from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_fsdp.tensor_parallel.utils import local_tensor
 from megatron_fsdp.training.mock_data import MockGPTDataset
 from megatron_fsdp.transformer import TransformerConfig
@@ -36,6 +43,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     a = p.add_argument
     a("--tensor-model-parallel-size", type=int, default=1)
+    a("--use-torch-fsdp2", action="store_true")
+    a("--torch-fsdp2-no-reshard-after-forward", action="store_true")
+    a("--num-distributed-optimizer-instances", type=int, default=1)
+    a("--use-distributed-optimizer", action="store_true")
+    a("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    a("--overlap-grad-reduce", action="store_true")
+    a("--overlap-param-gather", action="store_true")
+    a("--save", default=None)
+    a("--load", default=None)
+    a("--save-interval", type=int, default=None)
+    a("--ckpt-format", default="torch_dcp")
+    a("--no-load-optim", action="store_true")
+    a("--no-load-rng", action="store_true")
     a("--sequence-parallel", action="store_true")
     a("--num-layers", type=int, required=True)
     a("--hidden-size", type=int, required=True)
@@ -67,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--min-lr", type=float, default=0.0)
     a("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     a("--lr-warmup-iters", type=int, default=0)
+    a("--lr-warmup-init", type=float, default=0.0)
     a("--lr-decay-iters", type=int, default=None)
     a("--weight-decay", type=float, default=0.01)
     a("--adam-beta1", type=float, default=0.9)
@@ -99,6 +120,14 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
                  "train_iters", "tensor_model_parallel_size", "log_interval", "make_vocab_size_divisible_by"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.ckpt_format != "torch_dcp":
+        parser.error(f"--ckpt-format {args.ckpt_format} is not supported: megatron_fsdp writes torch_dcp")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        parser.error("--save-interval needs --save and a value >= 1")
+    if not args.use_torch_fsdp2 and (args.torch_fsdp2_no_reshard_after_forward
+                                     or args.num_distributed_optimizer_instances > 1):
+        parser.error("--torch-fsdp2-no-reshard-after-forward and --num-distributed-optimizer-instances "
+                     "need --use-torch-fsdp2")
     if args.lr <= 0:
         parser.error(f"--lr must be positive, got {args.lr}")
     if args.max_position_embeddings is None:
@@ -111,6 +140,9 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if world_size % tp != 0:
         parser.error(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
     dp = world_size // tp
+    if dp % args.num_distributed_optimizer_instances != 0:
+        parser.error(f"data-parallel size {dp} is not divisible by --num-distributed-optimizer-instances "
+                     f"{args.num_distributed_optimizer_instances}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     if args.global_batch_size % (args.micro_batch_size * dp) != 0:
@@ -121,21 +153,6 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
                      f"--tensor-model-parallel-size ({tp})")
     multiple = args.make_vocab_size_divisible_by * tp
     args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
-
-
-def learning_rate(args, iteration: int) -> float:
-    """Megatron's schedule: linear warmup, then constant / linear / cosine decay to --min-lr."""
-    if args.lr_warmup_iters > 0 and iteration <= args.lr_warmup_iters:
-        return args.lr * iteration / args.lr_warmup_iters
-    if args.lr_decay_style == "constant":
-        return args.lr
-    decay_iters = args.lr_decay_iters or args.train_iters
-    progress = min(1.0, (iteration - args.lr_warmup_iters) / max(1, decay_iters - args.lr_warmup_iters))
-    if args.lr_decay_style == "linear":
-        coeff = 1.0 - progress
-    else:
-        coeff = 0.5 * (math.cos(math.pi * progress) + 1.0)
-    return args.min_lr + coeff * (args.lr - args.min_lr)
 
 
 def build_model(args) -> GPTModel:
@@ -152,11 +169,20 @@ def build_model(args) -> GPTModel:
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
     )
-    return GPTModel(
+    model = GPTModel(
         config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base)
+    if not args.use_torch_fsdp2:
+        return model
+    ddp_config = TorchFullyShardedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward)
+    return TorchFullyShardedDataParallel(config, ddp_config, model)
 
 
 def average_gradients_over_data_parallel(model: torch.nn.Module) -> None:
@@ -176,39 +202,70 @@ def log_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
-def train(args) -> list[float]:
-    device_type = parallel_state.get_device_type()
-    model = build_model(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
-                                  eps=args.adam_eps, weight_decay=args.weight_decay)
-    dataset = MockGPTDataset(args.vocab_size, args.seq_length, seed=args.seed)
+def build_optimizer(args, model):
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16), model)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters or args.train_iters,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay)
+    return optimizer, scheduler
+
+
+def maybe_load(args, model, optimizer, scheduler) -> int:
+    """The iteration to resume after (0 for a fresh start), as Megatron's --load does."""
+    if not args.load or read_latest_iteration(args.load) is None:
+        if args.load:
+            log_rank_last(f"> no checkpoint found in {args.load}: training from scratch")
+        return 0
+    loaded = load_checkpoint(model, optimizer, scheduler, args.load,
+                             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+    log_rank_last(f"> loaded checkpoint from {args.load} at iteration {loaded['iteration']}"
+                  + ("" if loaded["rng_restored"] else " (RNG states not restored: other layout)"))
+    return loaded["iteration"]
+
+
+def train_step(args, model, optimizer, dataset, iteration, num_micro) -> tuple[float, float]:
     device = parallel_state.get_device()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    num_micro = args.global_batch_size // (args.micro_batch_size * dp_size)
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.bf16)
-    losses = []
-    window_start = time.perf_counter()
-    for iteration in range(1, args.train_iters + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(args, iteration)
-        consumed = (iteration - 1) * args.global_batch_size
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(num_micro):
-            start = consumed + (micro * dp_size + dp_rank) * args.micro_batch_size
-            batch = {k: v.to(device) for k, v in dataset.batch(range(start, start + args.micro_batch_size)).items()}
-            with autocast:
-                per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    autocast = torch.autocast(parallel_state.get_device_type(), dtype=torch.bfloat16,
+                              enabled=args.bf16 and not args.use_torch_fsdp2)
+    consumed = (iteration - 1) * args.global_batch_size
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(num_micro):
+        start = consumed + (micro * dp_size + dp_rank) * args.micro_batch_size
+        batch = {k: v.to(device) for k, v in dataset.batch(range(start, start + args.micro_batch_size)).items()}
+        # FSDP: reduce-scatter only after the last microbatch (Megatron's no_sync schedule).
+        accumulate = args.use_torch_fsdp2 and micro < num_micro - 1
+        with model.no_sync() if accumulate else contextlib.nullcontext(), autocast:
+            per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
             loss = (per_token.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
             (loss / num_micro).backward()
-            loss_sum += loss.detach()
+        loss_sum += loss.detach()
+    if args.use_torch_fsdp2:
+        model.finish_grad_sync()
+    else:
         average_gradients_over_data_parallel(model)
-        grad_norm = clip_grad_norm_(model.parameters(), args.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    _, grad_norm, _ = optimizer.step()
+    optimizer.zero_grad()
+    dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+    return loss_sum.item() / (num_micro * dp_size), grad_norm
 
-        dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
-        lm_loss = loss_sum.item() / (num_micro * dp_size)
+
+def train(args) -> list[float]:
+    model = build_model(args)
+    optimizer, scheduler = build_optimizer(args, model)
+    start_iteration = maybe_load(args, model, optimizer, scheduler)
+    dataset = MockGPTDataset(args.vocab_size, args.seq_length, seed=args.seed)
+    num_micro = args.global_batch_size // (args.micro_batch_size * parallel_state.get_data_parallel_world_size())
+    losses = []
+    window_start = time.perf_counter()
+    for iteration in range(start_iteration + 1, args.train_iters + 1):
+        learning_rate = optimizer.param_groups[0]["lr"]
+        lm_loss, grad_norm = train_step(args, model, optimizer, dataset, iteration, num_micro)
+        scheduler.step()
         losses.append(lm_loss)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             steps = iteration % args.log_interval or args.log_interval
@@ -220,10 +277,14 @@ def train(args) -> list[float]:
                 f" consumed samples: {iteration * args.global_batch_size:12d} |"
                 f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |"
                 f" throughput (tokens/s): {tokens_per_s:.1f} |"
-                f" learning rate: {learning_rate(args, iteration):.6E} |"
+                f" learning rate: {learning_rate:.6E} |"
                 f" global batch size: {args.global_batch_size:5d} |"
                 f" lm loss: {lm_loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} |"
                 f" number of skipped iterations:   0 | number of nan iterations:   0 |")
+        if args.save and (iteration == args.train_iters or
+                          (args.save_interval and iteration % args.save_interval == 0)):
+            path = save_checkpoint(iteration, model, optimizer, scheduler, args.save)
+            log_rank_last(f"> saved checkpoint {path}")
     return losses
 
 

@@ -31,12 +31,12 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "$torch_req"
 fi
 
-# Rebuild the extension only when its sources or the build script changed.
+# Reinstall only when the extension's sources, the build script or this file changed.
 stamp="$VENV/.megatron_fsdp_build"
-sources_hash="$(cat "$ROOT/setup.py" "$ROOT"/csrc/* | sha256sum | cut -d' ' -f1)"
+sources_hash="$(cat "$ROOT/setup.py" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
   echo "[env] building megatron_fsdp and its C++ extension" >&2
-  "$PY" -m pip install -q "pytest>=7" numpy
+  "$PY" -m pip install -q "pytest>=7" numpy safetensors
   (cd "$ROOT" && "$PY" -m pip install -q --no-build-isolation -e .)
   echo "$sources_hash" > "$stamp"
 fi

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The main job: a small GPT pretraining run, tensor-parallel 2 x data-parallel 2,
-# on 4 CPU worker processes (or 4 GPUs when present). Extra arguments are
+# The main job: a small GPT pretraining run, tensor-parallel 2 x fully-sharded
+# data-parallel 2 (TorchFullyShardedDataParallel), on 4 CPU worker processes
+# (or 4 GPUs when present). Extra arguments are
 # passed to examples/pretrain_gpt.py and override the defaults below.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 NPROC="${NPROC:-4}"
 exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" examples/pretrain_gpt.py \
-  --tensor-model-parallel-size 2 --sequence-parallel \
+  --use-torch-fsdp2 --tensor-model-parallel-size 2 --sequence-parallel \
   --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
   --seq-length 32 --max-position-embeddings 32 --position-embedding-type rope \
   --micro-batch-size 4 --global-batch-size 16 \

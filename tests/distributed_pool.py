@@ -89,7 +89,7 @@ class WorkerPool:
             p.start()
         self.broken = False
 
-    def run(self, func, *args, timeout: float = 300.0, **kwargs) -> list:
+    def run(self, func, *args, timeout: float = 180.0, **kwargs) -> list:
         """Run `func(*args, **kwargs)` on every rank; return the results by rank."""
         outcomes = self._run(func, args, kwargs, timeout)
         errors = [o[1] for o in outcomes if o[0] == "error"]
@@ -97,7 +97,7 @@ class WorkerPool:
             raise CaseFailed(func.__name__, errors)
         return [o[1] for o in outcomes]
 
-    def run_expecting_errors(self, func, *args, timeout: float = 300.0, **kwargs) -> list[RankError]:
+    def run_expecting_errors(self, func, *args, timeout: float = 180.0, **kwargs) -> list[RankError]:
         """Run a case that must fail on every rank; return each rank's error."""
         outcomes = self._run(func, args, kwargs, timeout)
         passed = [rank for rank, o in enumerate(outcomes) if o[0] == "ok"]

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import reference_gpt
 from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel
-from megatron_fsdp import parallel_state, tensor_parallel
+from megatron_fsdp import parallel_state
 from megatron_fsdp.distributed import (
     DistributedDataParallelConfig,
     TorchFullyShardedDataParallel,

@@ -7,7 +7,6 @@ import math
 import warnings
 from typing import Callable, Optional
 
-import torch
 import torch.nn.functional as F
 
 from ..model_parallel_config import ModelParallelConfig, reject_unsupported

@@ -1,0 +1,205 @@
+"""DCP checkpoints: resume, reshard across layouts, crash safety, clear errors, export."""
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import full_params, make_config, setup_parallel
+from megatron_fsdp import checkpointing, parallel_state
+from megatron_fsdp.checkpointing import CheckpointError, load_checkpoint, read_latest_iteration, save_checkpoint
+from megatron_fsdp.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallel
+from megatron_fsdp.models.gpt import GPTModel
+from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
+
+TOTAL_STEPS = 6
+SAVE_AT = 3
+GLOBAL_BATCH = 4
+SEQ = 16
+
+
+def _build(tp, fsdp, hidden_size=32):
+    setup_parallel(tp)
+    cfg = make_config(hidden_size=hidden_size, sequence_parallel=tp > 1)
+    model = GPTModel(cfg, vocab_size=64, max_sequence_length=SEQ, position_embedding_type="rope")
+    if fsdp:
+        model = TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model)
+    # eps 1e-5: see test_fsdp.ADAM (the key bias has a pure-noise gradient).
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, adam_eps=1e-5, clip_grad=1.0), model)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
+                                        lr_decay_steps=TOTAL_STEPS, lr_decay_style="cosine",
+                                        start_wd=0.01, end_wd=0.01)
+    return model, optimizer, scheduler
+
+
+def _train(model, optimizer, scheduler, first, last):
+    dp = parallel_state.get_data_parallel_world_size()
+    rows = slice(parallel_state.get_data_parallel_rank() * GLOBAL_BATCH // dp,
+                 (parallel_state.get_data_parallel_rank() + 1) * GLOBAL_BATCH // dp)
+    losses = []
+    for step in range(first, last + 1):
+        g = torch.Generator().manual_seed(1000 + step)
+        ids = torch.randint(0, 64, (GLOBAL_BATCH, SEQ + 1), generator=g)
+        tokens, labels = ids[rows, :-1], ids[rows, 1:]
+        loss = model(tokens, None, None, labels=labels).mean()
+        loss.backward()
+        if isinstance(model, TorchFullyShardedDataParallel):
+            model.finish_grad_sync()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        reported = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+        losses.append(reported.item() / dp)
+    return losses
+
+
+def _case_train_with_checkpoint(ckpt):
+    model, optimizer, scheduler = _build(2, fsdp=True)
+    losses = _train(model, optimizer, scheduler, 1, SAVE_AT)
+    path = save_checkpoint(SAVE_AT, model, optimizer, scheduler, ckpt, extra_state={"note": "mid-run"})
+    assert path == os.path.join(ckpt, "iter_0000003") and read_latest_iteration(ckpt) == SAVE_AT
+    losses += _train(model, optimizer, scheduler, SAVE_AT + 1, TOTAL_STEPS)
+    return losses
+
+
+def _case_resume(ckpt, tp, fsdp):
+    model, optimizer, scheduler = _build(tp, fsdp)
+    loaded = load_checkpoint(model, optimizer, scheduler, ckpt)
+    assert loaded["iteration"] == SAVE_AT and loaded["extra_state"] == {"note": "mid-run"}
+    assert scheduler.num_steps == SAVE_AT
+    return loaded["rng_restored"], _train(model, optimizer, scheduler, SAVE_AT + 1, TOTAL_STEPS)
+
+
+@pytest.fixture(scope="module")
+def trained_checkpoint(pools, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    losses = pools(4).run(_case_train_with_checkpoint, ckpt)[0]
+    return ckpt, losses
+
+
+@pytest.mark.parametrize("world_size,tp,fsdp", [
+    (4, 2, True),    # the saved layout: bit-identical continuation
+    (2, 1, True),    # TP=1 x DP=2
+    (4, 4, True),    # TP=4 x DP=1
+    (1, 1, False),   # one process, no FSDP
+])
+def test_resume_matches_uninterrupted_run(pools, trained_checkpoint, world_size, tp, fsdp):
+    ckpt, reference = trained_checkpoint
+    rng_restored, losses = pools(world_size).run(_case_resume, ckpt, tp, fsdp)[0]
+    expected = torch.tensor(reference[SAVE_AT:])
+    if (world_size, tp) == (4, 2):
+        assert rng_restored
+        assert torch.equal(torch.tensor(losses), expected), f"{losses} != {reference[SAVE_AT:]}"
+    else:
+        assert not rng_restored, "RNG states belong to the saved layout only"
+        torch.testing.assert_close(torch.tensor(losses), expected, rtol=1e-4, atol=1e-5)
+
+
+def _case_crash_safety(ckpt):
+    model, optimizer, scheduler = _build(2, fsdp=True)
+    _train(model, optimizer, scheduler, 1, 1)
+    save_checkpoint(1, model, optimizer, scheduler, ckpt)
+    expected = full_params(model.module)
+    _train(model, optimizer, scheduler, 2, 2)
+
+    # Rank 1 dies after DCP wrote the shards: every rank reports it, nothing is published.
+    real_save = torch.save
+    def failing_save(obj, f, *args, **kwargs):
+        if dist.get_rank() == 1:
+            raise OSError("disk full (injected)")
+        return real_save(obj, f, *args, **kwargs)
+    checkpointing.torch.save = failing_save
+    try:
+        with pytest.raises(CheckpointError, match="the previous checkpoint is kept"):
+            save_checkpoint(2, model, optimizer, scheduler, ckpt)
+    finally:
+        checkpointing.torch.save = real_save
+    dist.barrier()
+    assert read_latest_iteration(ckpt) == 1
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000002"))
+    assert not glob.glob(os.path.join(ckpt, "*.tmp-*")), "the failed save's directory was left behind"
+
+    # A process killed mid-save leaves only a temporary directory: still ignored.
+    if dist.get_rank() == 0:
+        partial = os.path.join(ckpt, "iter_0000002.tmp-killed")
+        os.makedirs(partial)
+        open(os.path.join(partial, "__0_0.distcp"), "wb").write(b"\0" * 10)
+    dist.barrier()
+    assert load_checkpoint(model, optimizer, scheduler, ckpt)["iteration"] == 1
+    got = full_params(model.module)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), f"{name} not restored"
+
+
+def test_interrupted_save_keeps_previous_checkpoint(pools, tmp_path):
+    pools(4).run(_case_crash_safety, str(tmp_path))
+
+
+def _case_load_error(ckpt, case):
+    if case == "mismatched_model":
+        model, optimizer, scheduler = _build(2, fsdp=True, hidden_size=48)
+    else:
+        model, optimizer, scheduler = _build(2, fsdp=True)
+    load_checkpoint(model, optimizer, scheduler, ckpt)
+
+
+def _case_damage(ckpt, how):
+    if dist.get_rank() == 0:
+        path = os.path.join(ckpt, "iter_0000003")
+        if how == "truncate":
+            shard = sorted(glob.glob(os.path.join(path, "*.distcp")))[0]
+            size = os.path.getsize(shard)
+            with open(shard, "r+b") as f:
+                f.truncate(size // 2)
+        elif how == "tracker":
+            open(os.path.join(ckpt, checkpointing.TRACKER_FILENAME), "w").write("7\n")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("case,match", [
+    ("empty_dir", "no checkpoint in"),
+    ("mismatched_model", "does not fit the model"),
+    ("truncated", "is incomplete or corrupt"),
+    ("tracker_to_missing", "iter_0000007 is missing or incomplete"),
+])
+def test_bad_checkpoints_raise_clear_errors_on_every_rank(pools, trained_checkpoint, tmp_path, case, match):
+    ckpt, _ = trained_checkpoint
+    pool = pools(4)
+    if case == "empty_dir":
+        ckpt = str(tmp_path)
+    elif case in ("truncated", "tracker_to_missing"):
+        copy = str(tmp_path / "copy")
+        import shutil
+        shutil.copytree(ckpt, copy)
+        ckpt = copy
+        pool.run(_case_damage, ckpt, "truncate" if case == "truncated" else "tracker")
+    errors = pool.run_expecting_errors(_case_load_error, ckpt, case)
+    for e in errors:
+        assert e.type_name == "CheckpointError" and match in e.message, f"rank {e.rank}: {e.type_name}: {e.message}"
+    if case == "mismatched_model":
+        assert "checkpoint has shape [64, 32], model has [64, 48]" in errors[0].message
+
+
+def _case_export(path):
+    model, optimizer, scheduler = _build(2, fsdp=True)
+    _train(model, optimizer, scheduler, 1, 1)
+    checkpointing.export_safetensors(model, path)
+    weights = full_params(model.module)  # a collective: every rank gathers
+    return weights if dist.get_rank() == 0 else None
+
+
+def test_export_safetensors_holds_full_weights(pools, tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    path = str(tmp_path / "model.safetensors")
+    expected = pools(4).run(_case_export, path)[0]
+    loaded = safetensors.load_file(path)
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == torch.float32
+        assert torch.equal(loaded[name], tensor), name
+    assert not glob.glob(str(tmp_path / "*.tmp-*"))
