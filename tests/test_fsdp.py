@@ -41,6 +41,8 @@ MODELS = {
     # 66 rows, ffn 50, hidden 36: no parameter divides evenly over 4 ranks.
     "uneven": (dict(hidden_size=36, num_attention_heads=4, ffn_hidden_size=50), dict(vocab_size=66)),
     "tied_rope": (dict(), dict(share_embeddings_and_output_weights=True, position_embedding_type="rope")),
+    # Recompute re-runs forwards inside backward; the wrapper sets explicit backward prefetch.
+    "recompute": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), dict()),
 }
 
 
@@ -125,7 +127,7 @@ def test_training_matches_dense_reference(pools, layout):
     pools(LAYOUTS[layout][0]).run(_case_training_parity, layout, "plain")
 
 
-@pytest.mark.parametrize("model_name", ["uneven", "tied_rope"])
+@pytest.mark.parametrize("model_name", ["uneven", "tied_rope", "recompute"])
 @pytest.mark.parametrize("layout", ["dp4_zero3", "tp2_dp2_sequence_parallel"])
 def test_training_matches_for_uneven_and_tied_models(pools, layout, model_name):
     pools(4).run(_case_training_parity, layout, model_name)
@@ -133,6 +135,37 @@ def test_training_matches_for_uneven_and_tied_models(pools, layout, model_name):
 
 def test_bf16_training_matches_within_bf16_precision(pools):
     pools(4).run(_case_training_parity, "tp2_dp2_sequence_parallel", "plain", bf16=True)
+
+
+def _case_reduce_dtype(grad_reduce_in_fp32):
+    *_, wrapped = _build(1, "plain", {}, dict(grad_reduce_in_fp32=grad_reduce_in_fp32), {}, bf16=True)
+    ids = torch.randint(0, 64, (MICRO, SEQ), generator=torch.Generator().manual_seed(2))
+    with _CountReduceScatters() as seen:
+        wrapped(ids, torch.arange(SEQ).expand(MICRO, SEQ), None, labels=ids).float().mean().backward()
+    expected = torch.float32 if grad_reduce_in_fp32 else torch.bfloat16
+    assert seen.count > 0 and seen.dtypes == {expected}, f"reduce-scatter dtypes {seen.dtypes}, expected {expected}"
+    assert all(p.grad.dtype == torch.float32 for p in wrapped.parameters()), "sharded gradients must be fp32"
+
+
+@pytest.mark.parametrize("grad_reduce_in_fp32", [False, True])
+def test_grad_reduce_in_fp32_selects_reduce_dtype(pools, grad_reduce_in_fp32):
+    pools(4).run(_case_reduce_dtype, grad_reduce_in_fp32)
+
+
+def _case_broadcast_params_hsdp():
+    _, tp, ps_kwargs, ddp_kwargs, wrapper_kwargs = LAYOUTS["hsdp_2x2"]
+    *_, wrapped = _build(tp, "plain", ps_kwargs, ddp_kwargs, wrapper_kwargs)
+    expected = full_params(wrapped.module)
+    if dist.get_rank() >= 2:  # the second replica drifts
+        with torch.no_grad():
+            for p in wrapped.parameters():
+                p.to_local().add_(1.0)
+    wrapped.broadcast_params()
+    assert_close_dicts(full_params(wrapped.module), expected, "after broadcast_params", rtol=0, atol=0)
+
+
+def test_broadcast_params_aligns_hsdp_replicas(pools):
+    pools(4).run(_case_broadcast_params_hsdp)
 
 
 def _case_meta_device_init(layout, model_name):
@@ -174,11 +207,13 @@ class _CountReduceScatters:
 
     def __enter__(self):
         self.count = 0
+        self.dtypes = set()
         self.saved = {n: getattr(dist, n) for n in self.names if hasattr(dist, n)}
         for name, fn in self.saved.items():
-            def counting(*args, _fn=fn, **kwargs):
+            def counting(output, input, *args, _fn=fn, **kwargs):
                 self.count += 1
-                return _fn(*args, **kwargs)
+                self.dtypes.add(input.dtype)
+                return _fn(output, input, *args, **kwargs)
             setattr(dist, name, counting)
         return self
 

@@ -1,0 +1,68 @@
+"""get_megatron_optimizer and OptimizerParamScheduler on their own."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+
+
+def test_optimizer_groups_step_protocol_and_clipping():
+    model = _model()
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0.01), model)
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.5 and all(p.dim() == 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    assert opt.optimizer.defaults["fused"] is True, "CPU float params should take the fused AdamW path"
+    model(torch.randn(3, 4)).square().sum().backward()
+    norm = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item()
+    before = [p.detach().clone() for p in model.parameters()]
+    ok, grad_norm, zeros = opt.step()
+    assert ok and zeros is None and math.isclose(grad_norm, norm, rel_tol=1e-6)
+    clipped = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm().item()
+    assert math.isclose(clipped, 0.01, rel_tol=1e-3), "gradients must be clipped to clip_grad"
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(lr=None), ValueError, "lr must be a positive number"),
+    (dict(lr=1.0, optimizer="lamb"), ValueError, "got 'lamb'"),
+    (dict(lr=1.0, fp16=True), NotImplementedError, "fp16=True"),
+    (dict(lr=1.0, clip_grad=-1.0), ValueError, "clip_grad must be >= 0"),
+])
+def test_optimizer_config_rejects(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        OptimizerConfig(**kwargs)
+
+
+def test_scheduler_warmup_then_cosine_and_state_round_trip():
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.0, min_lr=0.1, lr_warmup_steps=2,
+                                    lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(12):
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    assert lrs[:3] == [0.0, 0.5, 1.0]
+    assert math.isclose(lrs[6], 0.1 + 0.9 * 0.5 * (math.cos(math.pi * 4 / 8) + 1))
+    assert lrs[10] == pytest.approx(0.1) and lrs[12] == 0.1
+    other = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1.0, min_lr=0.1, lr_warmup_steps=2,
+                                    lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0)
+    other.load_state_dict(sched.state_dict())
+    assert other.num_steps == 12 and opt.param_groups[0]["lr"] == 0.1
+    mismatched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=2.0, min_lr=0.1, lr_warmup_steps=2,
+                                         lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0)
+    with pytest.raises(ValueError, match="max_lr=1.0 differs from this run's 2.0"):
+        mismatched.load_state_dict(sched.state_dict())
+    with pytest.raises(ValueError, match="lr_decay_style must be one of"):
+        OptimizerParamScheduler(opt, 0.0, 1.0, 0.0, 0, 10, "step", 0.0, 0.0)
+    with pytest.raises(NotImplementedError, match="weight-decay increments"):
+        OptimizerParamScheduler(opt, 0.0, 1.0, 0.0, 0, 10, "linear", 0.0, 0.1)
