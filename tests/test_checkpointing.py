@@ -122,7 +122,9 @@ def _case_crash_safety(ckpt):
     dist.barrier()
     assert read_latest_iteration(ckpt) == 1
     assert not os.path.exists(os.path.join(ckpt, "iter_0000002"))
-    assert not glob.glob(os.path.join(ckpt, "*.tmp-*")), "the failed save's directory was left behind"
+    leftovers = glob.glob(os.path.join(ckpt, "*.tmp-*"))
+    assert not leftovers, f"the failed save left {leftovers} behind"
+    dist.barrier()  # every rank has looked before rank 0 fakes a killed save below
 
     # A process killed mid-save leaves only a temporary directory: still ignored.
     if dist.get_rank() == 0:

@@ -97,9 +97,15 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     """reshard_after_forward: True frees gathered parameters after forward and
     gathers them again in backward (ZeRO-3); False keeps them until backward
     (ZeRO-2); an int n keeps them sharded over groups of n ranks in between
-    (n must divide the data-parallel shard size)."""
+    (n must divide the data-parallel shard size).
+
+    fsdp_copy_kernels: install megatron_fsdp's copy kernels for FSDP2's
+    copy-in/copy-out ops (megatron_fsdp.kernels.fsdp_copy_ops); results are
+    bitwise torch's. The op registry is process-wide: False removes them for
+    every FSDP module in the process."""
 
     reshard_after_forward: bool | int = True
+    fsdp_copy_kernels: bool = True
 
     def __post_init__(self):
         super().__post_init__()

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import parallel_state
 from ..initialization import initialize_parameters
+from ..kernels.fsdp_copy_ops import disable_fsdp_copy_kernels, enable_fsdp_copy_kernels
 from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from ..tensor_parallel.layers import ColumnParallelLinear
@@ -52,6 +53,8 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
       reduced in that dtype, or in fp32 with `ddp_config.grad_reduce_in_fp32`.
     - HSDP: with `ddp_config.num_distributed_optimizer_instances > 1` the
       parameters are replicated across instances and sharded within one.
+    - Copy kernels: megatron_fsdp's C++ kernels serve FSDP2's copy-in and
+      copy-out ops unless `ddp_config.fsdp_copy_kernels` is False.
     - Meta device: a model built under `torch.device("meta")` (or with
       `config.init_model_with_meta_device`) is materialized shard by shard
       and initialized here, from the current generator state: seeded as
@@ -82,6 +85,10 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         self.device_mesh = mesh
         self.process_group = (parallel_state.get_data_parallel_group(with_context_parallel=True)
                               if process_group is None else process_group)
+        if getattr(ddp_config, "fsdp_copy_kernels", True):
+            enable_fsdp_copy_kernels()
+        else:
+            disable_fsdp_copy_kernels()
         mp_policy = self._mixed_precision_policy(config, ddp_config)
         if mp_policy.param_dtype is not None:
             module.float()  # sharded master weights in fp32; FSDP gathers them in param_dtype

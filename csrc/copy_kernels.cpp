@@ -1,0 +1,179 @@
+// The CPU kernels of the megatron_fsdp extension, in one translation unit
+// (each unit costs most of a minute to compile on a small machine).
+//
+// pack_into: many tensors, flattened, back to back into one flat buffer: the
+// data movement of FSDP's all-gather copy-in.
+// split_copy_out / chunk_cat: FSDP2's copy-out and reduce-scatter copy-in.
+//
+// torch runs these as one small copy per tensor (and, for chunk_cat, a
+// zero-padded temporary for every unevenly sized tensor), so their cost grows
+// with the number of tensors. Here every (tensor, rank) piece is one work item
+// of a single parallel region, moved with memcpy when dtypes match and the
+// memory is contiguous, and every argument is checked before the first write.
+
+#include "pack.h"
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+namespace megatron_fsdp {
+
+std::vector<int64_t> check_pack_args(const std::vector<at::Tensor>& inputs, const at::Tensor& out) {
+  TORCH_CHECK(out.dim() == 1, "pack_into: out must be 1-D, got ", out.dim(), " dimensions");
+  TORCH_CHECK(out.is_contiguous(), "pack_into: out must be contiguous");
+  std::vector<int64_t> offsets;
+  offsets.reserve(inputs.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
+    TORCH_CHECK(t.device() == out.device(), "pack_into: inputs[", i, "] is on ", t.device(),
+                " but out is on ", out.device());
+    TORCH_CHECK(!t.is_complex() && !out.is_complex(), "pack_into: complex tensors are not supported");
+    offsets.push_back(total);
+    total += t.numel();
+  }
+  TORCH_CHECK(total <= out.numel(), "pack_into: inputs hold ", total, " elements but out has only ",
+              out.numel());
+  return offsets;
+}
+
+namespace {
+
+void pack_into_cpu(const std::vector<at::Tensor>& inputs, const at::Tensor& out) {
+  const std::vector<int64_t> offsets = check_pack_args(inputs, out);
+  const int64_t n = static_cast<int64_t>(inputs.size());
+  // One grain per tensor: small tensors are the case this op exists for.
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const at::Tensor& t = inputs[i];
+      if (t.numel() == 0) continue;
+      at::Tensor dst = out.narrow(0, offsets[i], t.numel());
+      if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
+        std::memcpy(dst.data_ptr(), t.data_ptr(), t.numel() * t.element_size());
+      } else {
+        dst.copy_(t.reshape(-1));  // strided or casting copy
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace megatron_fsdp
+
+namespace megatron_fsdp {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// out[i] is [world_size, split_sizes[i]]; src is [world_size, sum(split_sizes)].
+void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, const std::vector<at::Tensor>& out) {
+  TORCH_CHECK(src.dim() == 2 && src.is_contiguous(), "split_copy_out: src must be a contiguous 2-D tensor, got ",
+              src.dim(), " dimensions");
+  TORCH_CHECK(out.size() == split_sizes.size(), "split_copy_out: ", out.size(), " outputs for ", split_sizes.size(),
+              " split sizes");
+  const int64_t world = src.size(0);
+  std::vector<int64_t> offsets(out.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const at::Tensor& o = out[i];
+    TORCH_CHECK(o.dim() == 2 && o.size(0) == world && o.size(1) == split_sizes[i], "split_copy_out: out[", i,
+                "] has shape ", o.sizes(), ", expected [", world, ", ", split_sizes[i], "]");
+    TORCH_CHECK(o.device() == src.device(), "split_copy_out: out[", i, "] is on ", o.device(), " but src is on ",
+                src.device());
+    offsets[i] = total;
+    total += split_sizes[i];
+  }
+  TORCH_CHECK(total == src.size(1), "split_copy_out: split sizes add up to ", total, " but src has ", src.size(1),
+              " columns");
+  const int64_t n = static_cast<int64_t>(out.size());
+  const int64_t src_item = src.element_size();
+  const char* base = static_cast<const char*>(src.data_ptr());
+  at::parallel_for(0, n * world, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t i = work / world, r = work % world;
+      const at::Tensor& o = out[i];
+      const int64_t len = split_sizes[i];
+      if (len == 0) continue;
+      if (o.scalar_type() == src.scalar_type() && o.stride(1) == 1) {
+        std::memcpy(static_cast<char*>(o.data_ptr()) + r * o.stride(0) * src_item,
+                    base + (r * total + offsets[i]) * src_item, len * src_item);
+      } else {
+        o.select(0, r).copy_(src.select(0, r).narrow(0, offsets[i], len));
+      }
+    }
+  });
+}
+
+// Each tensor is split into num_chunks pieces along dim 0 (ceil-sized, the
+// last ones zero-padded); row r of out holds piece r of every tensor.
+void chunk_cat_cpu(const std::vector<at::Tensor>& tensors, int64_t num_chunks, const at::Tensor& out) {
+  TORCH_CHECK(num_chunks >= 1, "chunk_cat: num_chunks must be >= 1, got ", num_chunks);
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == num_chunks,
+              "chunk_cat: out must be a contiguous [num_chunks, n] tensor, got shape ", out.sizes());
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  std::vector<int64_t> col_offset(n), chunk_rows(n), inner(n), rows(n);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK(t.device() == out.device(), "chunk_cat: tensors[", i, "] is on ", t.device(), " but out is on ",
+                out.device());
+    TORCH_CHECK(t.dim() >= 1, "chunk_cat: tensors[", i, "] is 0-dimensional");
+    rows[i] = t.size(0);
+    inner[i] = rows[i] == 0 ? 0 : t.numel() / rows[i];
+    chunk_rows[i] = ceil_div(rows[i], num_chunks);
+    col_offset[i] = total;
+    total += chunk_rows[i] * inner[i];
+  }
+  TORCH_CHECK(total == out.size(1), "chunk_cat: the padded chunks hold ", total, " elements per row but out has ",
+              out.size(1));
+  const int64_t item = out.element_size();
+  char* base = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, n * num_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t i = work / num_chunks, r = work % num_chunks;
+      const at::Tensor& t = tensors[i];
+      const int64_t chunk_numel = chunk_rows[i] * inner[i];
+      if (chunk_numel == 0) continue;
+      const int64_t first_row = std::min(r * chunk_rows[i], rows[i]);
+      const int64_t valid = (std::min((r + 1) * chunk_rows[i], rows[i]) - first_row) * inner[i];
+      char* dst = base + (r * total + col_offset[i]) * item;
+      if (valid > 0) {
+        if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
+          std::memcpy(dst, static_cast<const char*>(t.data_ptr()) + first_row * inner[i] * item, valid * item);
+        } else {
+          out.select(0, r).narrow(0, col_offset[i], valid).copy_(
+              t.narrow(0, first_row, valid / inner[i]).reshape(-1));
+        }
+      }
+      if (valid < chunk_numel) std::memset(dst + valid * item, 0, (chunk_numel - valid) * item);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace megatron_fsdp
+
+TORCH_LIBRARY(megatron_fsdp, m) {
+  m.def("pack_into(Tensor[] inputs, Tensor(a!) out) -> ()");
+  m.def("split_copy_out(Tensor src, int[] split_sizes, Tensor(a!)[] out) -> ()");
+  m.def("chunk_cat(Tensor[] tensors, int num_chunks, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(megatron_fsdp, CPU, m) {
+  m.impl("pack_into", &megatron_fsdp::pack_into_cpu);
+  m.impl("split_copy_out", &megatron_fsdp::split_copy_out_cpu);
+  m.impl("chunk_cat", &megatron_fsdp::chunk_cat_cpu);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("has_cuda") = pybind11::bool_(
+#ifdef MEGATRON_FSDP_WITH_CUDA
+      true
+#else
+      false
+#endif
+  );
+}
