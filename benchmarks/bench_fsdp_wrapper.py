@@ -1,6 +1,11 @@
 """TorchFullyShardedDataParallel against raw `fully_shard` applied by hand, in one run.
 
     torchrun --nproc-per-node 4 benchmarks/bench_fsdp_wrapper.py [--tp 1] [--rounds 5]
+    torchrun --nproc-per-node 4 benchmarks/bench_fsdp_wrapper.py --compare copy-kernels --layers 16 --hidden 64
+
+With `--compare copy-kernels` the two arms are the wrapper with megatron_fsdp's
+copy kernels and with torch's copy ops (toggled before each arm's round; the
+op registry is process-wide).
 
 Both arms shard the same GPT model (same seed, same units: each
 TransformerLayer, the embedding, the output layer, then the root) over the
@@ -26,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+from megatron_fsdp.kernels import fsdp_copy_ops
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.transformer import TransformerConfig, TransformerLayer
 
@@ -74,6 +80,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps-per-round", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--compare", choices=["raw-fully-shard", "copy-kernels"], default="raw-fully-shard")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -89,10 +96,21 @@ def main():
                                sequence_parallel=args.tp > 1)
 
     wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
-    by_hand = shard_by_hand(build(args, config))
+    if args.compare == "raw-fully-shard":
+        baseline_name, baseline = "raw_fully_shard", shard_by_hand(build(args, config))
+    else:
+        baseline_name = "torch_copy_ops"
+        baseline = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
     arms = {}
-    for name, model in (("wrapper", wrapped), ("raw_fully_shard", by_hand)):
+    for name, model in (("wrapper", wrapped), (baseline_name, baseline)):
         arms[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def select_copy_ops(name):
+        if args.compare == "copy-kernels":
+            if name == "wrapper":
+                fsdp_copy_ops.enable_fsdp_copy_kernels()
+            else:
+                fsdp_copy_ops.disable_fsdp_copy_kernels()
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
@@ -105,6 +123,7 @@ def main():
         optimizer.zero_grad(set_to_none=False)
 
     def timed(name):
+        select_copy_ops(name)
         model, optimizer = arms[name]
         if cuda:
             torch.cuda.synchronize()
@@ -118,6 +137,7 @@ def main():
         return (time.perf_counter() - start) / args.steps_per_round
 
     for name in arms:  # warm-up, and optimizer state exists for the memory count
+        select_copy_ops(name)
         step(*arms[name])
     times = {name: [] for name in arms}
     for _ in range(args.rounds):
@@ -130,7 +150,7 @@ def main():
         "step_ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
         "memory_per_rank": {name: memory(*arms[name]) for name in arms},
     }
-    result["wrapper_over_raw"] = result["step_ms"]["wrapper"] / result["step_ms"]["raw_fully_shard"]
+    result["wrapper_over_baseline"] = result["step_ms"]["wrapper"] / result["step_ms"][baseline_name]
     if cuda:
         result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
     if dist.get_rank() == 0:

@@ -40,33 +40,55 @@ std::vector<int64_t> check_pack_args(const std::vector<at::Tensor>& inputs, cons
   return offsets;
 }
 
-namespace {
+// dst[k] = To(src[k]) for the casts mixed precision makes; c10's conversions
+// are the ones torch's own copy kernels use, so the bits match.
+template <typename From, typename To>
+static void cast_copy(const void* src, void* dst, int64_t n) {
+  const From* s = static_cast<const From*>(src);
+  To* d = static_cast<To*>(dst);
+  for (int64_t k = 0; k < n; ++k) d[k] = static_cast<To>(static_cast<float>(s[k]));
+}
+
+// Copies n contiguous elements with a cast when (from, to) is a mixed-precision
+// pair; returns false for any other pair (the caller then uses ATen's copy).
+static bool fast_cast_copy(at::ScalarType from, at::ScalarType to, const void* src, void* dst, int64_t n) {
+  using ST = at::ScalarType;
+  if (from == ST::Float && to == ST::BFloat16) cast_copy<float, c10::BFloat16>(src, dst, n);
+  else if (from == ST::Float && to == ST::Half) cast_copy<float, c10::Half>(src, dst, n);
+  else if (from == ST::BFloat16 && to == ST::Float) cast_copy<c10::BFloat16, float>(src, dst, n);
+  else if (from == ST::Half && to == ST::Float) cast_copy<c10::Half, float>(src, dst, n);
+  else return false;
+  return true;
+}
 
 void pack_into_cpu(const std::vector<at::Tensor>& inputs, const at::Tensor& out) {
   const std::vector<int64_t> offsets = check_pack_args(inputs, out);
   const int64_t n = static_cast<int64_t>(inputs.size());
-  // One grain per tensor: small tensors are the case this op exists for.
+  const int64_t item = out.element_size();
+  char* base = static_cast<char*>(out.data_ptr());
+  // Small tensors are the case this op exists for: the fast path touches
+  // only raw pointers (a tensor view alone costs about a microsecond).
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const at::Tensor& t = inputs[i];
-      if (t.numel() == 0) continue;
-      at::Tensor dst = out.narrow(0, offsets[i], t.numel());
-      if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
-        std::memcpy(dst.data_ptr(), t.data_ptr(), t.numel() * t.element_size());
-      } else {
-        dst.copy_(t.reshape(-1));  // strided or casting copy
+      const int64_t numel = t.numel();
+      if (numel == 0) continue;
+      if (t.is_contiguous()) {
+        if (t.scalar_type() == out.scalar_type()) {
+          std::memcpy(base + offsets[i] * item, t.data_ptr(), numel * item);
+          continue;
+        }
+        if (fast_cast_copy(t.scalar_type(), out.scalar_type(), t.data_ptr(), base + offsets[i] * item, numel)) {
+          continue;
+        }
       }
+      out.narrow(0, offsets[i], numel).copy_(t.reshape(-1));  // strided, or another cast
     }
   });
 }
 
-}  // namespace
-}  // namespace megatron_fsdp
 
-namespace megatron_fsdp {
-namespace {
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // out[i] is [world_size, split_sizes[i]]; src is [world_size, sum(split_sizes)].
 void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, const std::vector<at::Tensor>& out) {
@@ -141,9 +163,11 @@ void chunk_cat_cpu(const std::vector<at::Tensor>& tensors, int64_t num_chunks, c
       const int64_t valid = (std::min((r + 1) * chunk_rows[i], rows[i]) - first_row) * inner[i];
       char* dst = base + (r * total + col_offset[i]) * item;
       if (valid > 0) {
+        const int64_t src_offset = first_row * inner[i] * t.element_size();
+        const char* src = static_cast<const char*>(t.data_ptr()) + src_offset;
         if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
-          std::memcpy(dst, static_cast<const char*>(t.data_ptr()) + first_row * inner[i] * item, valid * item);
-        } else {
+          std::memcpy(dst, src, valid * item);
+        } else if (!(t.is_contiguous() && fast_cast_copy(t.scalar_type(), out.scalar_type(), src, dst, valid))) {
           out.select(0, r).narrow(0, col_offset[i], valid).copy_(
               t.narrow(0, first_row, valid / inner[i]).reshape(-1));
         }
@@ -153,7 +177,6 @@ void chunk_cat_cpu(const std::vector<at::Tensor>& tensors, int64_t num_chunks, c
   });
 }
 
-}  // namespace
 }  // namespace megatron_fsdp
 
 TORCH_LIBRARY(megatron_fsdp, m) {
@@ -176,4 +199,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       false
 #endif
   );
+  // Direct CPU entry points: for thousands of small tensors, the boxed
+  // dispatcher's per-tensor cost (list to IValues) outweighs the copies.
+  m.def("pack_into_cpu", &megatron_fsdp::pack_into_cpu, "pack_into for CPU tensors");
+  m.def("split_copy_out_cpu", [](const at::Tensor& src, std::vector<int64_t> sizes, const std::vector<at::Tensor>& out) {
+    megatron_fsdp::split_copy_out_cpu(src, sizes, out);
+  }, "split_copy_out for CPU tensors");
+  m.def("chunk_cat_cpu", &megatron_fsdp::chunk_cat_cpu, "chunk_cat for CPU tensors");
 }

@@ -57,7 +57,11 @@ def pack_into(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """Copy `inputs`, each flattened, back to back into the 1-D buffer `out`
     (casting to out's dtype). Raises before writing anything if `out` is too
     small or on another device."""
-    if extension_available() and (out.device.type == "cpu" or extension_has_cuda()):
+    if not extension_available():
+        _pack_into_reference(inputs, out)
+    elif out.device.type == "cpu":
+        _load_extension().pack_into_cpu(inputs, out)  # direct call: no per-tensor boxing
+    elif extension_has_cuda():
         torch.ops.megatron_fsdp.pack_into(list(inputs), out)
     else:
         _pack_into_reference(inputs, out)

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from . import extension_available, extension_has_cuda, pack_into
+from . import _load_extension, extension_available, extension_has_cuda, pack_into
 
 # The schemas as torch 2.9-2.14 declare them (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
 EXPECTED_SCHEMAS = {
@@ -53,7 +53,10 @@ def _split_with_sizes_copy(all_gather_output, all_gather_input_split_sizes, dim=
         torch.split_with_sizes_copy(all_gather_output, all_gather_input_split_sizes, dim=dim, out=out)
         return
     calls["split_with_sizes_copy"] += 1
-    torch.ops.megatron_fsdp.split_copy_out(all_gather_output, list(all_gather_input_split_sizes), out)
+    if all_gather_output.device.type == "cpu":
+        _load_extension().split_copy_out_cpu(all_gather_output, list(all_gather_input_split_sizes), out)
+    else:
+        torch.ops.megatron_fsdp.split_copy_out(all_gather_output, list(all_gather_input_split_sizes), out)
 
 
 def _chunk_cat(tensors, dim, num_chunks, *, out):
@@ -61,7 +64,10 @@ def _chunk_cat(tensors, dim, num_chunks, *, out):
         torch._chunk_cat(tensors, dim, num_chunks, out=out)  # torch's own checks and errors
         return
     calls["chunk_cat"] += 1
-    torch.ops.megatron_fsdp.chunk_cat(tensors, num_chunks, out)
+    if out.device.type == "cpu":
+        _load_extension().chunk_cat_cpu(tensors, num_chunks, out)
+    else:
+        torch.ops.megatron_fsdp.chunk_cat(tensors, num_chunks, out)
 
 
 def schema_mismatches() -> dict[str, str]:
