@@ -40,6 +40,11 @@ std::vector<int64_t> check_pack_args(const std::vector<at::Tensor>& inputs, cons
   return offsets;
 }
 
+// Pieces at least this large go to ATen's copy after the parallel pass: it
+// splits one big copy over all threads and vectorizes casts, where the
+// pass gives each piece to one thread.
+constexpr int64_t kLargePiece = 1 << 16;  // elements
+
 // dst[k] = To(src[k]) for the casts mixed precision makes; c10's conversions
 // are the ones torch's own copy kernels use, so the bits match.
 template <typename From, typename To>
@@ -72,7 +77,7 @@ void pack_into_cpu(const std::vector<at::Tensor>& inputs, const at::Tensor& out)
     for (int64_t i = begin; i < end; ++i) {
       const at::Tensor& t = inputs[i];
       const int64_t numel = t.numel();
-      if (numel == 0) continue;
+      if (numel == 0 || numel >= kLargePiece) continue;
       if (t.is_contiguous()) {
         if (t.scalar_type() == out.scalar_type()) {
           std::memcpy(base + offsets[i] * item, t.data_ptr(), numel * item);
@@ -85,6 +90,10 @@ void pack_into_cpu(const std::vector<at::Tensor>& inputs, const at::Tensor& out)
       out.narrow(0, offsets[i], numel).copy_(t.reshape(-1));  // strided, or another cast
     }
   });
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t numel = inputs[i].numel();
+    if (numel >= kLargePiece) out.narrow(0, offsets[i], numel).copy_(inputs[i].reshape(-1));
+  }
 }
 
 
@@ -118,7 +127,7 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, cons
       const int64_t i = work / world, r = work % world;
       const at::Tensor& o = out[i];
       const int64_t len = split_sizes[i];
-      if (len == 0) continue;
+      if (len == 0 || len >= kLargePiece) continue;
       if (o.scalar_type() == src.scalar_type() && o.stride(1) == 1) {
         std::memcpy(static_cast<char*>(o.data_ptr()) + r * o.stride(0) * src_item,
                     base + (r * total + offsets[i]) * src_item, len * src_item);
@@ -127,6 +136,9 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, cons
       }
     }
   });
+  for (int64_t i = 0; i < n; ++i) {
+    if (split_sizes[i] >= kLargePiece) out[i].copy_(src.narrow(1, offsets[i], split_sizes[i]));
+  }
 }
 
 // Each tensor is split into num_chunks pieces along dim 0 (ceil-sized, the
@@ -162,7 +174,9 @@ void chunk_cat_cpu(const std::vector<at::Tensor>& tensors, int64_t num_chunks, c
       const int64_t first_row = std::min(r * chunk_rows[i], rows[i]);
       const int64_t valid = (std::min((r + 1) * chunk_rows[i], rows[i]) - first_row) * inner[i];
       char* dst = base + (r * total + col_offset[i]) * item;
-      if (valid > 0) {
+      if (valid >= kLargePiece) {
+        // copied after the pass; only the padding is written here
+      } else if (valid > 0) {
         const int64_t src_offset = first_row * inner[i] * t.element_size();
         const char* src = static_cast<const char*>(t.data_ptr()) + src_offset;
         if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
@@ -175,6 +189,16 @@ void chunk_cat_cpu(const std::vector<at::Tensor>& tensors, int64_t num_chunks, c
       if (valid < chunk_numel) std::memset(dst + valid * item, 0, (chunk_numel - valid) * item);
     }
   });
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t r = 0; r < num_chunks; ++r) {
+      const int64_t first_row = std::min(r * chunk_rows[i], rows[i]);
+      const int64_t valid = (std::min((r + 1) * chunk_rows[i], rows[i]) - first_row) * inner[i];
+      if (valid >= kLargePiece) {
+        out.select(0, r).narrow(0, col_offset[i], valid).copy_(
+            tensors[i].narrow(0, first_row, valid / inner[i]).reshape(-1));
+      }
+    }
+  }
 }
 
 }  // namespace megatron_fsdp
