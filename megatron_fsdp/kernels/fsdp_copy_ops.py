@@ -3,8 +3,8 @@
 FSDP2 packs shards before each all-gather (`fsdp::all_gather_copy_in`),
 unpacks after it (`fsdp::split_with_sizes_copy`) and packs gradients before
 each reduce-scatter (`fsdp::chunk_cat`). `enable_fsdp_copy_kernels()`
-registers our implementations for those ops on CPU (and CUDA when the
-extension was built with it), after checking that the running torch declares
+registers our implementations for those ops on CPU (and the copy-in on CUDA
+when the extension was built with it), after checking that the running torch declares
 exactly the schemas we implement; with any other torch it warns once and
 leaves torch's path alone. The registration is process-wide, as the op
 registry is; `disable_fsdp_copy_kernels()` removes it and torch's kernels
@@ -53,10 +53,8 @@ def _split_with_sizes_copy(all_gather_output, all_gather_input_split_sizes, dim=
         torch.split_with_sizes_copy(all_gather_output, all_gather_input_split_sizes, dim=dim, out=out)
         return
     calls["split_with_sizes_copy"] += 1
-    if all_gather_output.device.type == "cpu":
-        _load_extension().split_copy_out_cpu(all_gather_output, list(all_gather_input_split_sizes), out)
-    else:
-        torch.ops.megatron_fsdp.split_copy_out(all_gather_output, list(all_gather_input_split_sizes), out)
+    # Registered for CPU only; the direct entry point skips per-tensor boxing.
+    _load_extension().split_copy_out_cpu(all_gather_output, list(all_gather_input_split_sizes), out)
 
 
 def _chunk_cat(tensors, dim, num_chunks, *, out):
@@ -64,10 +62,7 @@ def _chunk_cat(tensors, dim, num_chunks, *, out):
         torch._chunk_cat(tensors, dim, num_chunks, out=out)  # torch's own checks and errors
         return
     calls["chunk_cat"] += 1
-    if out.device.type == "cpu":
-        _load_extension().chunk_cat_cpu(tensors, num_chunks, out)
-    else:
-        torch.ops.megatron_fsdp.chunk_cat(tensors, num_chunks, out)
+    _load_extension().chunk_cat_cpu(tensors, num_chunks, out)  # registered for CPU only
 
 
 def schema_mismatches() -> dict[str, str]:
@@ -115,14 +110,14 @@ def enable_fsdp_copy_kernels() -> bool:
                 _warned = True
             return False
         library = torch.library.Library("fsdp", "IMPL")
-        keys = ["CPU"] + (["CUDA"] if extension_has_cuda() else [])
         with warnings.catch_warnings():
             # torch notes that we override its kernels: that is the point.
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
-            for key in keys:
-                library.impl("all_gather_copy_in", _all_gather_copy_in, key)
-                library.impl("split_with_sizes_copy", _split_with_sizes_copy, key)
-                library.impl("chunk_cat", _chunk_cat, key)
+            library.impl("all_gather_copy_in", _all_gather_copy_in, "CPU")
+            library.impl("split_with_sizes_copy", _split_with_sizes_copy, "CPU")
+            library.impl("chunk_cat", _chunk_cat, "CPU")
+            if extension_has_cuda():  # only pack_into has a CUDA kernel so far
+                library.impl("all_gather_copy_in", _all_gather_copy_in, "CUDA")
         _library = library
         return True
 
