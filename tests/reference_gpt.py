@@ -40,7 +40,7 @@ def _rope(x, positions, dim, base):
     return torch.cat([rotated, x_pass], dim=-1)
 
 
-def attention(x, params, prefix, cfg, rope_dim=None, rope_base=10000):
+def attention(x, params, prefix, cfg, rope_dim=None, rope_base=10000, attention_mask=None):
     b, s, _ = x.shape
     heads, groups, hn = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     per_group = heads // groups
@@ -58,8 +58,10 @@ def attention(x, params, prefix, cfg, rope_dim=None, rope_base=10000):
     v = v.repeat_interleave(per_group, dim=1)
     scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(hn)
     scores = (q @ k.transpose(-1, -2)) * scale
-    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
-    scores = scores.masked_fill(causal, float("-inf"))
+    masked = torch.ones(s, s, dtype=torch.bool).triu(1)
+    if attention_mask is not None:  # Megatron's convention: True = masked out
+        masked = masked | attention_mask
+    scores = scores.masked_fill(masked, float("-inf"))
     context = scores.softmax(-1) @ v  # [b, heads, s, hn]
     return _linear(context.transpose(1, 2).reshape(b, s, heads * hn), params, prefix + ".linear_proj")
 
@@ -73,14 +75,14 @@ def mlp(x, params, prefix, cfg):
     return _linear(h, params, prefix + ".linear_fc2")
 
 
-def transformer_layer(x, params, prefix, cfg, rope_dim=None, rope_base=10000):
+def transformer_layer(x, params, prefix, cfg, rope_dim=None, rope_base=10000, attention_mask=None):
     x = x + attention(_norm(x, params, prefix + ".input_layernorm", cfg), params,
-                      prefix + ".self_attention", cfg, rope_dim, rope_base)
+                      prefix + ".self_attention", cfg, rope_dim, rope_base, attention_mask)
     return x + mlp(_norm(x, params, prefix + ".pre_mlp_layernorm", cfg), params, prefix + ".mlp", cfg)
 
 
 def gpt_forward(params, cfg, input_ids, labels, *, position_embedding_type="learned_absolute",
-                tied=False, rotary_percent=1.0, rotary_base=10000):
+                tied=False, rotary_percent=1.0, rotary_base=10000, attention_mask=None):
     """Per-token loss [b, s] (fp32)."""
     b, s = input_ids.shape
     x = F.embedding(input_ids, params["embedding.word_embeddings.weight"])
@@ -90,7 +92,7 @@ def gpt_forward(params, cfg, input_ids, labels, *, position_embedding_type="lear
     elif position_embedding_type == "rope":
         rope_dim = int(cfg.kv_channels * rotary_percent)
     for i in range(cfg.num_layers):
-        x = transformer_layer(x, params, f"decoder.layers.{i}", cfg, rope_dim, rotary_base)
+        x = transformer_layer(x, params, f"decoder.layers.{i}", cfg, rope_dim, rotary_base, attention_mask)
     x = _norm(x, params, "decoder.final_layernorm", cfg)
     out_w = params["embedding.word_embeddings.weight" if tied else "output_layer.weight"]
     logits = F.linear(x, out_w).float()

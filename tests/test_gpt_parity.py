@@ -25,7 +25,16 @@ VARIANTS = {
 }
 
 
-def _case_parity(tp: int, sequence_parallel: bool, variant: str) -> None:
+def _padding_mask(b: int, s: int) -> torch.Tensor:
+    """Megatron's bool mask [b, 1, s, s], True = masked: sample 1 ignores its first 3 keys."""
+    mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    mask[1, :, :, :3] = True
+    mask[1, :, :3, :] = False  # keep a key for the first queries so no row is all -inf
+    mask[1, :, torch.arange(3), torch.arange(3)] = False
+    return mask
+
+
+def _case_parity(tp: int, sequence_parallel: bool, variant: str, masked: bool = False) -> None:
     setup_parallel(tp)
     spec = VARIANTS[variant]
     cfg = make_config(sequence_parallel=sequence_parallel, **spec.get("config", {}))
@@ -33,7 +42,8 @@ def _case_parity(tp: int, sequence_parallel: bool, variant: str) -> None:
     model = GPTModel(cfg, **model_kwargs)
     ids, labels, positions, weights = batch(VOCAB)
 
-    loss = model(ids, positions, None, labels=labels)
+    attention_mask = _padding_mask(*ids.shape) if masked else None
+    loss = model(ids, positions, attention_mask, labels=labels)
     (loss * weights).sum().backward()
     grads = full_grads(model)
     params = full_params(model)
@@ -43,12 +53,15 @@ def _case_parity(tp: int, sequence_parallel: bool, variant: str) -> None:
         ref_params, cfg, ids, labels,
         position_embedding_type=model_kwargs.get("position_embedding_type", "learned_absolute"),
         tied=model_kwargs.get("share_embeddings_and_output_weights", False),
-        rotary_percent=model_kwargs.get("rotary_percent", 1.0))
+        rotary_percent=model_kwargs.get("rotary_percent", 1.0),
+        attention_mask=attention_mask)
     (ref_loss * weights).sum().backward()
 
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), **FP32_TOLERANCE)
     assert_close_dicts(grads, {n: p.grad for n, p in ref_params.items()}, "gradient")
 
+    if masked:
+        return
     # Logits path: [b, s, vocab/tp], or the full vocabulary with parallel_output=False.
     model.eval()
     logits = model(ids, positions, None)
@@ -66,6 +79,11 @@ def _case_parity(tp: int, sequence_parallel: bool, variant: str) -> None:
 @pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True), (4, False), (4, True)])
 def test_gpt_matches_dense_reference(pools, tp, sequence_parallel, variant):
     pools(4).run(_case_parity, tp, sequence_parallel, variant)
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, True)])
+def test_gpt_with_attention_mask_matches_reference(pools, tp, sequence_parallel):
+    pools(4).run(_case_parity, tp, sequence_parallel, "gqa_swiglu_rope_rmsnorm", masked=True)
 
 
 def _full_weights_at(tp: int, variant: str) -> dict:
