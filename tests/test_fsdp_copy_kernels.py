@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers import full_params, make_config, setup_parallel
 from megatron_fsdp import parallel_state
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
-from megatron_fsdp.kernels import fsdp_copy_ops
+from megatron_fsdp.kernels import fsdp_copy_ops, fsdp_mixed_precision_hook
 from megatron_fsdp.models.gpt import GPTModel
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -138,9 +138,18 @@ def test_other_schema_falls_back_with_one_warning(monkeypatch):
         assert not fsdp_copy_ops.fsdp_copy_kernels_enabled()
 
 
-def _train(tp, use_kernels, steps=3):
+def test_mixed_precision_hook_fits_this_torch():
+    # Fails loudly when torch changes the FSDP2 internals the hook replaces.
+    assert fsdp_mixed_precision_hook.supported(), f"torch {torch.__version__}: update fsdp_mixed_precision_hook"
+    with kernels(True):
+        assert fsdp_mixed_precision_hook.installed()
+    with kernels(False):
+        assert not fsdp_mixed_precision_hook.installed()
+
+
+def _train(tp, use_kernels, steps=3, bf16=False):
     setup_parallel(tp)
-    cfg = make_config(hidden_size=36, ffn_hidden_size=50, sequence_parallel=tp > 1)
+    cfg = make_config(hidden_size=36, ffn_hidden_size=50, sequence_parallel=tp > 1, bf16=bf16)
     model = GPTModel(cfg, vocab_size=66 if tp == 1 else 64, max_sequence_length=16)
     wrapped = TorchFullyShardedDataParallel(
         cfg, TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=use_kernels), model)
@@ -149,34 +158,38 @@ def _train(tp, use_kernels, steps=3):
     g = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
     losses = []
     before = dict(fsdp_copy_ops.calls)
+    fused_before = fsdp_mixed_precision_hook.calls["fused_cast_inputs"]
     for _ in range(steps):
         ids = torch.randint(0, 64, (2, 16), generator=g)
-        loss = wrapped(ids, torch.arange(16).expand(2, 16), None, labels=ids).mean()
+        loss = wrapped(ids, torch.arange(16).expand(2, 16), None, labels=ids).float().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     ran = {k: fsdp_copy_ops.calls[k] - before.get(k, 0) for k in fsdp_copy_ops.calls}
+    ran["fused_cast_inputs"] = fsdp_mixed_precision_hook.calls["fused_cast_inputs"] - fused_before
     weights = full_params(wrapped.module)
     parallel_state.destroy_model_parallel()
     return torch.stack(losses), weights, ran
 
 
-def _case_training_identical(tp):
+def _case_training_identical(tp, bf16):
     try:
-        off_losses, off_weights, off_ran = _train(tp, False)
-        on_losses, on_weights, on_ran = _train(tp, True)
+        off_losses, off_weights, off_ran = _train(tp, False, bf16=bf16)
+        on_losses, on_weights, on_ran = _train(tp, True, bf16=bf16)
     finally:
         fsdp_copy_ops.enable_fsdp_copy_kernels()
     assert not any(off_ran.values()), f"kernels ran while disabled: {off_ran}"
     for op in ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"):
         assert on_ran.get(op, 0) > 0, f"{op} never ran through our kernel: {on_ran}"
+    # Under bf16 the fp32 shards reach the copy-in uncast: one pass, no temporary.
+    assert (on_ran["fused_cast_inputs"] > 0) == bf16, on_ran
     assert torch.equal(on_losses, off_losses), f"{on_losses} != {off_losses}"
     for name in off_weights:
         assert torch.equal(on_weights[name], off_weights[name]), name
     dist.barrier()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_training_is_bitwise_identical_with_kernels(pools, tp):
-    pools(4).run(_case_training_identical, tp)
+@pytest.mark.parametrize("tp,bf16", [(1, False), (2, False), (1, True), (2, True)])
+def test_training_is_bitwise_identical_with_kernels(pools, tp, bf16):
+    pools(4).run(_case_training_identical, tp, bf16)

@@ -9,6 +9,10 @@ exactly the schemas we implement; with any other torch it warns once and
 leaves torch's path alone. The registration is process-wide, as the op
 registry is; `disable_fsdp_copy_kernels()` removes it and torch's kernels
 serve again. Results are bitwise those of torch's ops.
+
+Under mixed precision the cast of each fp32 shard to the all-gather dtype is
+fused into the copy-in (see fsdp_mixed_precision_hook, installed with the
+kernels).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from . import _load_extension, extension_available, extension_has_cuda, pack_into
+from . import _load_extension, extension_available, extension_has_cuda, fsdp_mixed_precision_hook, pack_into
 
 # The schemas as torch 2.9-2.14 declare them (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
 EXPECTED_SCHEMAS = {
@@ -119,6 +123,9 @@ def enable_fsdp_copy_kernels() -> bool:
             if extension_has_cuda():  # only pack_into has a CUDA kernel so far
                 library.impl("all_gather_copy_in", _all_gather_copy_in, "CUDA")
         _library = library
+        if not fsdp_mixed_precision_hook.install():
+            warnings.warn(f"torch {torch.__version__} changed FSDP2's all-gather input functions: the "
+                          "mixed-precision cast stays a separate pass", RuntimeWarning, stacklevel=2)
         return True
 
 
@@ -126,6 +133,7 @@ def disable_fsdp_copy_kernels() -> None:
     """Remove our registrations; torch's kernels serve the fsdp:: ops again."""
     global _library
     with _lock:
+        fsdp_mixed_precision_hook.uninstall()
         if _library is not None:
             _library._destroy()
             _library = None
