@@ -262,13 +262,19 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
                 "microbatch's forward and backward outside no_sync(), as Megatron's schedules do"
             )
         if self.ddp_config.check_for_nan_in_grad:
-            for name, p in self.module.named_parameters():
-                if p.grad is not None:
-                    local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    if not torch.isfinite(local).all():
-                        raise RuntimeError(
-                            f"rank {dist.get_rank()}: gradient of {name} is not finite (NaN or Inf)"
-                        )
+            self._check_grads_finite()
+
+    def _check_grads_finite(self) -> None:
+        # Each rank holds different shards: agree on the verdict so that every
+        # rank raises, not only the one holding the bad shard.
+        bad = [name for name, p in self.module.named_parameters() if p.grad is not None
+               and not torch.isfinite(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).all()]
+        flag = torch.tensor([1.0 if bad else 0.0], device=parallel_state.get_device()
+                            if parallel_state.model_parallel_is_initialized() else None)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            where = f"this rank's shards of {bad[:5]}" if bad else "shards held by other ranks"
+            raise RuntimeError(f"rank {dist.get_rank()}: non-finite gradient (NaN or Inf) in {where}")
 
     def broadcast_params(self) -> None:
         """Each shard has one owner per replica: broadcast shards across HSDP
