@@ -85,16 +85,16 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         self.device_mesh = mesh
         self.process_group = (parallel_state.get_data_parallel_group(with_context_parallel=True)
                               if process_group is None else process_group)
+        self.fsdp_units = self._units(module)  # validates: the last check before any change
+
+        mp_policy = self._mixed_precision_policy(config, ddp_config)
+        if mp_policy.param_dtype is not None:
+            module.float()  # sharded master weights in fp32; FSDP gathers them in param_dtype
         if getattr(ddp_config, "fsdp_copy_kernels", True):
             enable_fsdp_copy_kernels()
         else:
             disable_fsdp_copy_kernels()
-        mp_policy = self._mixed_precision_policy(config, ddp_config)
-        if mp_policy.param_dtype is not None:
-            module.float()  # sharded master weights in fp32; FSDP gathers them in param_dtype
-
         on_meta = any(p.device.type == "meta" for p in module.parameters())
-        self.fsdp_units = self._units(module)
         for unit in self.fsdp_units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
         # The root's parameters are needed again as soon as backward starts.
