@@ -48,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--num-distributed-optimizer-instances", type=int, default=1)
     a("--use-distributed-optimizer", action="store_true")
     a("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    a("--grad-reduce-in-bf16", action="store_true")
     a("--overlap-grad-reduce", action="store_true")
     a("--overlap-param-gather", action="store_true")
     a("--save", default=None)
@@ -120,6 +121,15 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
                  "train_iters", "tensor_model_parallel_size", "log_interval", "make_vocab_size_divisible_by"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    # Megatron: with --bf16, gradients are accumulated and reduced in fp32
+    # unless --grad-reduce-in-bf16 asks otherwise.
+    if args.bf16 and not args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if not args.use_torch_fsdp2 and (args.use_distributed_optimizer or args.overlap_grad_reduce
+                                     or args.overlap_param_gather or args.accumulate_allreduce_grads_in_fp32
+                                     and not args.bf16):
+        parser.error("--use-distributed-optimizer, --overlap-grad-reduce, --overlap-param-gather and "
+                     "--accumulate-allreduce-grads-in-fp32 need --use-torch-fsdp2")
     if args.ckpt_format != "torch_dcp":
         parser.error(f"--ckpt-format {args.ckpt_format} is not supported: megatron_fsdp writes torch_dcp")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
@@ -297,7 +307,9 @@ def main(argv=None) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group(backend)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
         torch.manual_seed(args.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         log_rank_last(f"> world size {dist.get_world_size()}: tensor-parallel "

@@ -81,7 +81,9 @@ def _barrier() -> None:
 def _all_ranks_ok(ok: bool) -> bool:
     if not _is_distributed():
         return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    # On the device of the backend: an NCCL-only default group has no CPU path.
+    device = parallel_state.get_device() if parallel_state.model_parallel_is_initialized() else None
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -155,12 +157,18 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
     if not save_dir:
         raise ValueError("save_dir is required")
     final = checkpoint_dir(save_dir, iteration)
-    tmp = None
+    tmp, setup_error = None, None
     if _rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
-        os.makedirs(os.path.join(tmp, "rng"))
-    tmp = _broadcast_str(tmp)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+            os.makedirs(os.path.join(tmp, "rng"))
+        except OSError as exc:
+            setup_error = f"{type(exc).__name__}: {exc}"
+    # The name, or rank 0's failure: every rank learns it and raises together.
+    tmp = _broadcast_str(f"error:{setup_error}" if setup_error else tmp)
+    if tmp.startswith("error:"):
+        raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {tmp[6:]}")
 
     state = _app_state(model, optimizer)
     try:
@@ -187,16 +195,21 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
             + (f" on this rank: {error}" if error else " on another rank") + "; the previous checkpoint is kept"
         ) from error
 
+    publish_error = None
     if _rank() == 0:
-        if os.path.exists(final):  # re-saving an iteration: swap, then drop the old copy
-            old = f"{final}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _write_atomic(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n".encode())
-    _barrier()
+        try:
+            if os.path.exists(final):  # re-saving an iteration: swap, then drop the old copy
+                old = f"{final}.old-{uuid.uuid4().hex[:12]}"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _write_atomic(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n".encode())
+        except OSError as exc:
+            publish_error = exc
+    if not _all_ranks_ok(publish_error is None):
+        raise CheckpointError(f"publishing checkpoint {final} failed on rank 0: {publish_error or 'see rank 0'}")
     return final
 
 

@@ -28,6 +28,10 @@ class OptimizerParamScheduler:
         if lr_decay_style != "constant" and lr_warmup_steps >= lr_decay_steps:
             raise ValueError(f"lr_warmup_steps ({lr_warmup_steps}) must be smaller than lr_decay_steps "
                              f"({lr_decay_steps})")
+        if not use_checkpoint_opt_param_scheduler or override_opt_param_scheduler:
+            raise NotImplementedError(
+                "use_checkpoint_opt_param_scheduler=False / override_opt_param_scheduler=True are not "
+                "supported: the checkpointed schedule is always used and must match this run's")
         if start_wd != end_wd or wd_incr_style != "constant":
             raise NotImplementedError("weight-decay increments are not supported: use start_wd == end_wd")
         self.optimizer = optimizer

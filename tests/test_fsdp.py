@@ -258,6 +258,27 @@ def _case_gradient_accumulation(microbatches):
         wrapped.finish_grad_sync()
 
 
+def _case_abandoned_accumulation():
+    *_, wrapped = _build(1, "plain", {}, {}, {})
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 64, (MICRO, SEQ), generator=g)
+    positions = torch.arange(SEQ).expand(MICRO, SEQ)
+    wrapped(ids, positions, None, labels=ids).mean().backward()
+    expected = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+    wrapped.zero_grad_buffer()
+    with wrapped.no_sync():  # an accumulation that is abandoned
+        wrapped(ids.flip(0), positions, None, labels=ids).mean().backward()
+    wrapped.zero_grad_buffer()
+    wrapped(ids, positions, None, labels=ids).mean().backward()
+    wrapped.finish_grad_sync()
+    got = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+    assert_close_dicts(got, expected, "gradient after an abandoned no_sync accumulation")
+
+
+def test_zero_grad_buffer_drops_abandoned_accumulation(pools):
+    pools(4).run(_case_abandoned_accumulation)
+
+
 def test_no_sync_accumulates_without_communication(pools):
     pools(4).run(_case_gradient_accumulation, 3)
 

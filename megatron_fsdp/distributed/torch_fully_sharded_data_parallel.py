@@ -250,6 +250,21 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
             self._unsynced_backward = True
             self.module.set_requires_gradient_sync(True)
 
+    def zero_grad_buffer(self) -> None:
+        """Drop every gradient, including the unsharded ones FSDP2 accumulates
+        inside no_sync(): an accumulation abandoned part-way must not leak
+        into the next step."""
+        super().zero_grad_buffer()
+        for module in self.module.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.unsharded_accumulated_grad = None
+                        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                        if unsharded is not None:
+                            unsharded.grad = None
+        self._unsynced_backward = False
+
     def start_grad_sync(self, *unused) -> None:
         """No-op: FSDP2 launches each unit's reduce-scatter during backward."""
 
