@@ -27,13 +27,14 @@ with_cuda = (
     torch.version.cuda is not None and CUDA_HOME is not None
     and os.environ.get("MEGATRON_FSDP_NO_CUDA", "0") != "1"
 )
-cxx_flags = ["-O3", "-std=c++17"]
+# No -std flag: torch adds the C++ standard its own headers need.
+cxx_flags = ["-O3"]
 if with_cuda:
     extension = CUDAExtension(
         "megatron_fsdp._C",
         cpp_sources + cuda_sources,
         define_macros=[("MEGATRON_FSDP_WITH_CUDA", None)],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
     )
 else:
     extension = CppExtension("megatron_fsdp._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})

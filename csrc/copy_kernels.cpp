@@ -1,5 +1,5 @@
-// The CPU kernels of the megatron_fsdp extension, in one translation unit
-// (each unit costs most of a minute to compile on a small machine).
+// The CPU kernels of the megatron_fsdp extension, and the argument checks
+// every kernel (CPU and CUDA) runs first.
 //
 // pack_into: many tensors, flattened, back to back into one flat buffer: the
 // data movement of FSDP's all-gather copy-in.
@@ -11,17 +11,15 @@
 // of a single parallel region, moved with memcpy when dtypes match and the
 // memory is contiguous, and every argument is checked before the first write.
 
-#include "pack.h"
+#include "copy_kernels.h"
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
-#include <torch/library.h>
 
 #include <cstring>
 
 namespace megatron_fsdp {
 
-std::vector<int64_t> check_pack_args(const std::vector<at::Tensor>& inputs, const at::Tensor& out) {
+std::vector<int64_t> check_pack_args(at::TensorList inputs, const at::Tensor& out) {
   TORCH_CHECK(out.dim() == 1, "pack_into: out must be 1-D, got ", out.dim(), " dimensions");
   TORCH_CHECK(out.is_contiguous(), "pack_into: out must be contiguous");
   std::vector<int64_t> offsets;
@@ -66,7 +64,7 @@ static bool fast_cast_copy(at::ScalarType from, at::ScalarType to, const void* s
   return true;
 }
 
-void pack_into_cpu(const std::vector<at::Tensor>& inputs, const at::Tensor& out) {
+void pack_into_cpu(at::TensorList inputs, const at::Tensor& out) {
   const std::vector<int64_t> offsets = check_pack_args(inputs, out);
   const int64_t n = static_cast<int64_t>(inputs.size());
   const int64_t item = out.element_size();
@@ -99,8 +97,8 @@ void pack_into_cpu(const std::vector<at::Tensor>& inputs, const at::Tensor& out)
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// out[i] is [world_size, split_sizes[i]]; src is [world_size, sum(split_sizes)].
-void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, const std::vector<at::Tensor>& out) {
+std::vector<int64_t> check_split_copy_out_args(const at::Tensor& src, at::IntArrayRef split_sizes,
+                                               at::TensorList out) {
   TORCH_CHECK(src.dim() == 2 && src.is_contiguous(), "split_copy_out: src must be a contiguous 2-D tensor, got ",
               src.dim(), " dimensions");
   TORCH_CHECK(out.size() == split_sizes.size(), "split_copy_out: ", out.size(), " outputs for ", split_sizes.size(),
@@ -119,6 +117,14 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, cons
   }
   TORCH_CHECK(total == src.size(1), "split_copy_out: split sizes add up to ", total, " but src has ", src.size(1),
               " columns");
+  return offsets;
+}
+
+// out[i] is [world_size, split_sizes[i]]; src is [world_size, sum(split_sizes)].
+void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
+  const std::vector<int64_t> offsets = check_split_copy_out_args(src, split_sizes, out);
+  const int64_t world = src.size(0);
+  const int64_t total = src.size(1);
   const int64_t n = static_cast<int64_t>(out.size());
   const int64_t src_item = src.element_size();
   const char* base = static_cast<const char*>(src.data_ptr());
@@ -141,49 +147,60 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, cons
   }
 }
 
-// Each tensor is split into num_chunks pieces along dim 0 (ceil-sized, the
-// last ones zero-padded); row r of out holds piece r of every tensor.
-void chunk_cat_cpu(const std::vector<at::Tensor>& tensors, int64_t num_chunks, const at::Tensor& out) {
+ChunkCatLayout check_chunk_cat_args(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
   TORCH_CHECK(num_chunks >= 1, "chunk_cat: num_chunks must be >= 1, got ", num_chunks);
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == num_chunks,
               "chunk_cat: out must be a contiguous [num_chunks, n] tensor, got shape ", out.sizes());
   const int64_t n = static_cast<int64_t>(tensors.size());
-  std::vector<int64_t> col_offset(n), chunk_rows(n), inner(n), rows(n);
-  int64_t total = 0;
+  ChunkCatLayout layout;
+  layout.col_offset.resize(n);
+  layout.chunk_rows.resize(n);
+  layout.inner.resize(n);
+  layout.rows.resize(n);
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.device() == out.device(), "chunk_cat: tensors[", i, "] is on ", t.device(), " but out is on ",
                 out.device());
     TORCH_CHECK(t.dim() >= 1, "chunk_cat: tensors[", i, "] is 0-dimensional");
-    rows[i] = t.size(0);
-    inner[i] = rows[i] == 0 ? 0 : t.numel() / rows[i];
-    chunk_rows[i] = ceil_div(rows[i], num_chunks);
-    col_offset[i] = total;
-    total += chunk_rows[i] * inner[i];
+    layout.rows[i] = t.size(0);
+    layout.inner[i] = layout.rows[i] == 0 ? 0 : t.numel() / layout.rows[i];
+    layout.chunk_rows[i] = ceil_div(layout.rows[i], num_chunks);
+    layout.col_offset[i] = layout.row_numel;
+    layout.row_numel += layout.chunk_numel(i);
   }
-  TORCH_CHECK(total == out.size(1), "chunk_cat: the padded chunks hold ", total, " elements per row but out has ",
-              out.size(1));
+  TORCH_CHECK(layout.row_numel == out.size(1), "chunk_cat: the padded chunks hold ", layout.row_numel,
+              " elements per row but out has ", out.size(1));
+  return layout;
+}
+
+// Each tensor is split into num_chunks pieces along dim 0 (ceil-sized, the
+// last ones zero-padded); row r of out holds piece r of every tensor.
+void chunk_cat_cpu(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
+  const ChunkCatLayout layout = check_chunk_cat_args(tensors, num_chunks, out);
+  const int64_t n = static_cast<int64_t>(tensors.size());
   const int64_t item = out.element_size();
   char* base = static_cast<char*>(out.data_ptr());
+  auto aten_copy = [&](int64_t i, int64_t r, int64_t valid) {
+    out.select(0, r).narrow(0, layout.col_offset[i], valid).copy_(
+        tensors[i].narrow(0, layout.first_row(i, r), valid / layout.inner[i]).reshape(-1));
+  };
   at::parallel_for(0, n * num_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t work = begin; work < end; ++work) {
       const int64_t i = work / num_chunks, r = work % num_chunks;
       const at::Tensor& t = tensors[i];
-      const int64_t chunk_numel = chunk_rows[i] * inner[i];
+      const int64_t chunk_numel = layout.chunk_numel(i);
       if (chunk_numel == 0) continue;
-      const int64_t first_row = std::min(r * chunk_rows[i], rows[i]);
-      const int64_t valid = (std::min((r + 1) * chunk_rows[i], rows[i]) - first_row) * inner[i];
-      char* dst = base + (r * total + col_offset[i]) * item;
+      const int64_t valid = layout.valid(i, r);
+      char* dst = base + (r * layout.row_numel + layout.col_offset[i]) * item;
       if (valid >= kLargePiece) {
         // copied after the pass; only the padding is written here
       } else if (valid > 0) {
-        const int64_t src_offset = first_row * inner[i] * t.element_size();
+        const int64_t src_offset = layout.first_row(i, r) * layout.inner[i] * t.element_size();
         const char* src = static_cast<const char*>(t.data_ptr()) + src_offset;
         if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
           std::memcpy(dst, src, valid * item);
         } else if (!(t.is_contiguous() && fast_cast_copy(t.scalar_type(), out.scalar_type(), src, dst, valid))) {
-          out.select(0, r).narrow(0, col_offset[i], valid).copy_(
-              t.narrow(0, first_row, valid / inner[i]).reshape(-1));
+          aten_copy(i, r, valid);
         }
       }
       if (valid < chunk_numel) std::memset(dst + valid * item, 0, (chunk_numel - valid) * item);
@@ -191,43 +208,10 @@ void chunk_cat_cpu(const std::vector<at::Tensor>& tensors, int64_t num_chunks, c
   });
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t r = 0; r < num_chunks; ++r) {
-      const int64_t first_row = std::min(r * chunk_rows[i], rows[i]);
-      const int64_t valid = (std::min((r + 1) * chunk_rows[i], rows[i]) - first_row) * inner[i];
-      if (valid >= kLargePiece) {
-        out.select(0, r).narrow(0, col_offset[i], valid).copy_(
-            tensors[i].narrow(0, first_row, valid / inner[i]).reshape(-1));
-      }
+      const int64_t valid = layout.valid(i, r);
+      if (valid >= kLargePiece) aten_copy(i, r, valid);
     }
   }
 }
 
 }  // namespace megatron_fsdp
-
-TORCH_LIBRARY(megatron_fsdp, m) {
-  m.def("pack_into(Tensor[] inputs, Tensor(a!) out) -> ()");
-  m.def("split_copy_out(Tensor src, int[] split_sizes, Tensor(a!)[] out) -> ()");
-  m.def("chunk_cat(Tensor[] tensors, int num_chunks, Tensor(a!) out) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(megatron_fsdp, CPU, m) {
-  m.impl("pack_into", &megatron_fsdp::pack_into_cpu);
-  m.impl("split_copy_out", &megatron_fsdp::split_copy_out_cpu);
-  m.impl("chunk_cat", &megatron_fsdp::chunk_cat_cpu);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.attr("has_cuda") = pybind11::bool_(
-#ifdef MEGATRON_FSDP_WITH_CUDA
-      true
-#else
-      false
-#endif
-  );
-  // Direct CPU entry points: for thousands of small tensors, the boxed
-  // dispatcher's per-tensor cost (list to IValues) outweighs the copies.
-  m.def("pack_into_cpu", &megatron_fsdp::pack_into_cpu, "pack_into for CPU tensors");
-  m.def("split_copy_out_cpu", [](const at::Tensor& src, std::vector<int64_t> sizes, const std::vector<at::Tensor>& out) {
-    megatron_fsdp::split_copy_out_cpu(src, sizes, out);
-  }, "split_copy_out for CPU tensors");
-  m.def("chunk_cat_cpu", &megatron_fsdp::chunk_cat_cpu, "chunk_cat for CPU tensors");
-}

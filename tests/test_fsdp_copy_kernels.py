@@ -46,10 +46,10 @@ def _shapes(g, count, min_rows=0, max_rows=9):
 def _run_both(fn):
     with kernels(False):
         expected = fn()
-    before = dict(fsdp_copy_ops.calls)
+    before = fsdp_copy_ops.kernel_calls()
     with kernels(True):
         got = fn()
-    ran = {k: fsdp_copy_ops.calls[k] - before.get(k, 0) for k in fsdp_copy_ops.calls}
+    ran = {k: n - before[k] for k, n in fsdp_copy_ops.kernel_calls().items()}
     return expected, got, ran
 
 
@@ -157,7 +157,7 @@ def _train(tp, use_kernels, steps=3, bf16=False):
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
     losses = []
-    before = dict(fsdp_copy_ops.calls)
+    before = fsdp_copy_ops.kernel_calls()
     fused_before = fsdp_mixed_precision_hook.calls["fused_cast_inputs"]
     for _ in range(steps):
         ids = torch.randint(0, 64, (2, 16), generator=g)
@@ -166,7 +166,7 @@ def _train(tp, use_kernels, steps=3, bf16=False):
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    ran = {k: fsdp_copy_ops.calls[k] - before.get(k, 0) for k in fsdp_copy_ops.calls}
+    ran = {k: n - before[k] for k, n in fsdp_copy_ops.kernel_calls().items()}
     ran["fused_cast_inputs"] = fsdp_mixed_precision_hook.calls["fused_cast_inputs"] - fused_before
     weights = full_params(wrapped.module)
     parallel_state.destroy_model_parallel()

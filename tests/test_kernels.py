@@ -7,9 +7,6 @@ import torch
 
 from megatron_fsdp import kernels
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
 def test_extension_is_built_when_required():
     if os.environ.get("MEGATRON_FSDP_REQUIRE_EXTENSION") != "1":
         pytest.skip("MEGATRON_FSDP_REQUIRE_EXTENSION is not set")
@@ -64,20 +61,3 @@ def test_pack_into_rejects_bad_output_before_writing(pack):
         pack(inputs, torch.zeros(4, 4))
     with pytest.raises(RuntimeError, match="contiguous"):
         pack(inputs, torch.zeros(40)[::2])
-
-
-@requires_cuda
-@pytest.mark.parametrize("seed", range(4))
-def test_pack_into_cuda_matches_cat(seed):
-    inputs = _random_inputs(seed, "cuda")
-    total = sum(t.numel() for t in inputs)
-    out = torch.zeros(total, dtype=torch.float32, device="cuda")
-    kernels.pack_into(inputs, out)
-    expected = torch.cat([t.reshape(-1).float() for t in inputs]) if inputs else out[:0]
-    assert torch.equal(out, expected)
-
-
-@requires_cuda
-def test_pack_into_rejects_mixed_devices():
-    with pytest.raises(RuntimeError, match="is on"):
-        kernels.pack_into([torch.ones(3)], torch.zeros(3, device="cuda"))

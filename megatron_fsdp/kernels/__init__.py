@@ -57,11 +57,8 @@ def pack_into(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """Copy `inputs`, each flattened, back to back into the 1-D buffer `out`
     (casting to out's dtype). Raises before writing anything if `out` is too
     small or on another device."""
-    if not extension_available():
-        _pack_into_reference(inputs, out)
-    elif out.device.type == "cpu":
-        _load_extension().pack_into_cpu(inputs, out)  # direct call: no per-tensor boxing
-    elif extension_has_cuda():
-        torch.ops.megatron_fsdp.pack_into(list(inputs), out)
+    ext = _load_extension()
+    if out.device.type == "cpu" and extension_available() or out.device.type == "cuda" and extension_has_cuda():
+        ext.pack_into(list(inputs), out)  # direct call: no per-tensor boxing
     else:
         _pack_into_reference(inputs, out)
