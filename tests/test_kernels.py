@@ -61,3 +61,30 @@ def test_pack_into_rejects_bad_output_before_writing(pack):
         pack(inputs, torch.zeros(4, 4))
     with pytest.raises(RuntimeError, match="contiguous"):
         pack(inputs, torch.zeros(40)[::2])
+
+
+def test_large_pieces_take_the_aten_path_bitwise():
+    # Same-dtype pieces of 2^20 elements and casting pieces of 2^16 go to ATen's
+    # multi-threaded copy after the parallel pass; small ones stay in the pass.
+    g = torch.Generator().manual_seed(0)
+    ext = kernels._load_extension()
+    if isinstance(ext, ImportError):
+        pytest.skip(f"extension not built: {ext}")
+    for out_dtype in (torch.float32, torch.bfloat16):
+        inputs = [torch.randn((1 << 20) + 3, generator=g), torch.randn(5, generator=g),
+                  torch.randn((1 << 16) + 1, generator=g).to(torch.bfloat16)]
+        total = sum(t.numel() for t in inputs)
+        out = torch.zeros(total, dtype=out_dtype)
+        kernels.pack_into(inputs, out)
+        assert torch.equal(out, torch.cat([t.to(out_dtype) for t in inputs]))
+    world, sizes = 2, [(1 << 20) + 1, 3]
+    src = torch.randn(world, sum(sizes), generator=g)
+    outs = [torch.empty(world, s) for s in sizes]
+    ext.split_copy_out(src, sizes, outs)
+    assert all(torch.equal(o, e) for o, e in zip(outs, torch.split(src, sizes, dim=1)))
+    grads = [torch.randn((1 << 21) + 1, generator=g), torch.randn(3, generator=g)]
+    cols = sum(-(-t.numel() // world) for t in grads)
+    out, expected = torch.empty(world, cols), torch.empty(world, cols)
+    ext.chunk_cat(grads, world, out)
+    torch._chunk_cat(grads, 0, world, out=expected)
+    assert torch.equal(out, expected)
