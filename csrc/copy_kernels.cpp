@@ -40,13 +40,11 @@ std::vector<int64_t> check_pack_args(at::TensorList inputs, const at::Tensor& ou
 
 // Pieces at least this large go to ATen's copy after the parallel pass: it
 // splits one big copy over all threads, where the pass gives each piece to
-// one thread. Casts go there sooner: ATen's cast loop is vectorized, ours
-// (cast_copy) is not.
-constexpr int64_t kLargeCopy = 1 << 20;  // elements, same dtype
-constexpr int64_t kLargeCast = 1 << 16;  // elements, casting
-static bool is_large(int64_t numel, at::ScalarType from, at::ScalarType to) {
-  return numel >= (from == to ? kLargeCopy : kLargeCast);
-}
+// one thread.
+constexpr int64_t kLargePiece = 1 << 20;  // elements
+// Casts this small use our scalar loop; larger ones ATen's vectorized cast
+// (single-threaded inside the pass), whose per-call cost they amortize.
+constexpr int64_t kSmallCast = 1 << 12;  // elements
 
 // dst[k] = To(src[k]) for the casts mixed precision makes; c10's conversions
 // are the ones torch's own copy kernels use, so the bits match.
@@ -80,13 +78,14 @@ void pack_into_cpu(at::TensorList inputs, const at::Tensor& out) {
     for (int64_t i = begin; i < end; ++i) {
       const at::Tensor& t = inputs[i];
       const int64_t numel = t.numel();
-      if (numel == 0 || is_large(numel, t.scalar_type(), out.scalar_type())) continue;
+      if (numel == 0 || numel >= kLargePiece) continue;
       if (t.is_contiguous()) {
         if (t.scalar_type() == out.scalar_type()) {
           std::memcpy(base + offsets[i] * item, t.data_ptr(), numel * item);
           continue;
         }
-        if (fast_cast_copy(t.scalar_type(), out.scalar_type(), t.data_ptr(), base + offsets[i] * item, numel)) {
+        if (numel < kSmallCast &&
+            fast_cast_copy(t.scalar_type(), out.scalar_type(), t.data_ptr(), base + offsets[i] * item, numel)) {
           continue;
         }
       }
@@ -95,9 +94,7 @@ void pack_into_cpu(at::TensorList inputs, const at::Tensor& out) {
   });
   for (int64_t i = 0; i < n; ++i) {
     const int64_t numel = inputs[i].numel();
-    if (is_large(numel, inputs[i].scalar_type(), out.scalar_type())) {
-      out.narrow(0, offsets[i], numel).copy_(inputs[i].reshape(-1));
-    }
+    if (numel >= kLargePiece) out.narrow(0, offsets[i], numel).copy_(inputs[i].reshape(-1));
   }
 }
 
@@ -140,7 +137,7 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, at::
       const int64_t i = work / world, r = work % world;
       const at::Tensor& o = out[i];
       const int64_t len = split_sizes[i];
-      if (len == 0 || is_large(len, o.scalar_type(), src.scalar_type())) continue;
+      if (len == 0 || len >= kLargePiece) continue;
       if (o.scalar_type() == src.scalar_type() && o.stride(1) == 1) {
         std::memcpy(static_cast<char*>(o.data_ptr()) + r * o.stride(0) * src_item,
                     base + (r * total + offsets[i]) * src_item, len * src_item);
@@ -150,9 +147,7 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, at::
     }
   });
   for (int64_t i = 0; i < n; ++i) {
-    if (is_large(split_sizes[i], out[i].scalar_type(), src.scalar_type())) {
-      out[i].copy_(src.narrow(1, offsets[i], split_sizes[i]));
-    }
+    if (split_sizes[i] >= kLargePiece) out[i].copy_(src.narrow(1, offsets[i], split_sizes[i]));
   }
 }
 
@@ -201,14 +196,15 @@ void chunk_cat_cpu(at::TensorList tensors, int64_t num_chunks, const at::Tensor&
       if (chunk_numel == 0) continue;
       const int64_t valid = layout.valid(i, r);
       char* dst = base + (r * layout.row_numel + layout.col_offset[i]) * item;
-      if (is_large(valid, t.scalar_type(), out.scalar_type())) {
+      if (valid >= kLargePiece) {
         // copied after the pass; only the padding is written here
       } else if (valid > 0) {
         const int64_t src_offset = layout.first_row(i, r) * layout.inner[i] * t.element_size();
         const char* src = static_cast<const char*>(t.data_ptr()) + src_offset;
         if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
           std::memcpy(dst, src, valid * item);
-        } else if (!(t.is_contiguous() && fast_cast_copy(t.scalar_type(), out.scalar_type(), src, dst, valid))) {
+        } else if (!(t.is_contiguous() && valid < kSmallCast &&
+                     fast_cast_copy(t.scalar_type(), out.scalar_type(), src, dst, valid))) {
           aten_copy(i, r, valid);
         }
       }
@@ -218,7 +214,7 @@ void chunk_cat_cpu(at::TensorList tensors, int64_t num_chunks, const at::Tensor&
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t r = 0; r < num_chunks; ++r) {
       const int64_t valid = layout.valid(i, r);
-      if (is_large(valid, tensors[i].scalar_type(), out.scalar_type())) aten_copy(i, r, valid);
+      if (valid >= kLargePiece) aten_copy(i, r, valid);
     }
   }
 }

@@ -64,8 +64,8 @@ def test_pack_into_rejects_bad_output_before_writing(pack):
 
 
 def test_large_pieces_take_the_aten_path_bitwise():
-    # Same-dtype pieces of 2^20 elements and casting pieces of 2^16 go to ATen's
-    # multi-threaded copy after the parallel pass; small ones stay in the pass.
+    # Pieces of 2^20 elements go to ATen's multi-threaded copy after the
+    # parallel pass; casts of 2^12 and more use ATen's cast inside it.
     g = torch.Generator().manual_seed(0)
     ext = kernels._load_extension()
     if isinstance(ext, ImportError):
