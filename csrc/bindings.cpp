@@ -109,11 +109,13 @@ class DropOverrideWarning : public c10::WarningHandler {
 };
 
 std::mutex g_fsdp_mutex;
-std::vector<std::unique_ptr<torch::Library>> g_fsdp_libraries;
+// Never destroyed: at exit the dispatcher may already be gone, and the
+// registrations die with the process anyway.
+auto* const g_fsdp_libraries = new std::vector<std::unique_ptr<torch::Library>>();
 
 void install_fsdp_kernels() {
   std::lock_guard<std::mutex> lock(g_fsdp_mutex);
-  if (!g_fsdp_libraries.empty()) return;
+  if (!g_fsdp_libraries->empty()) return;
   DropOverrideWarning filter(c10::WarningUtils::get_warning_handler());
   const c10::WarningUtils::WarningHandlerGuard guard(&filter);
   std::vector<c10::DispatchKey> keys = {c10::DispatchKey::CPU};
@@ -125,13 +127,13 @@ void install_fsdp_kernels() {
     library->impl("all_gather_copy_in", TORCH_FN(fsdp_all_gather_copy_in));
     library->impl("split_with_sizes_copy", TORCH_FN(fsdp_split_with_sizes_copy));
     library->impl("chunk_cat", TORCH_FN(fsdp_chunk_cat));
-    g_fsdp_libraries.push_back(std::move(library));
+    g_fsdp_libraries->push_back(std::move(library));
   }
 }
 
 void uninstall_fsdp_kernels() {
   std::lock_guard<std::mutex> lock(g_fsdp_mutex);
-  g_fsdp_libraries.clear();  // the registrations go with their Library; torch's kernels serve again
+  g_fsdp_libraries->clear();  // the registrations go with their Library; torch's kernels serve again
 }
 
 }  // namespace

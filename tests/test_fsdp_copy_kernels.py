@@ -147,9 +147,10 @@ def test_mixed_precision_hook_fits_this_torch():
         assert not fsdp_mixed_precision_hook.installed()
 
 
-def _train(tp, use_kernels, steps=3, bf16=False):
+def _train(tp, use_kernels, steps=3, precision=None):
     setup_parallel(tp)
-    cfg = make_config(hidden_size=36, ffn_hidden_size=50, sequence_parallel=tp > 1, bf16=bf16)
+    cfg = make_config(hidden_size=36, ffn_hidden_size=50, sequence_parallel=tp > 1,
+                      bf16=precision == "bf16", fp16=precision == "fp16")
     model = GPTModel(cfg, vocab_size=66 if tp == 1 else 64, max_sequence_length=16)
     wrapped = TorchFullyShardedDataParallel(
         cfg, TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=use_kernels), model)
@@ -173,23 +174,23 @@ def _train(tp, use_kernels, steps=3, bf16=False):
     return torch.stack(losses), weights, ran
 
 
-def _case_training_identical(tp, bf16):
+def _case_training_identical(tp, precision):
     try:
-        off_losses, off_weights, off_ran = _train(tp, False, bf16=bf16)
-        on_losses, on_weights, on_ran = _train(tp, True, bf16=bf16)
+        off_losses, off_weights, off_ran = _train(tp, False, precision=precision)
+        on_losses, on_weights, on_ran = _train(tp, True, precision=precision)
     finally:
         fsdp_copy_ops.enable_fsdp_copy_kernels()
     assert not any(off_ran.values()), f"kernels ran while disabled: {off_ran}"
     for op in ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"):
         assert on_ran.get(op, 0) > 0, f"{op} never ran through our kernel: {on_ran}"
-    # Under bf16 the fp32 shards reach the copy-in uncast: one pass, no temporary.
-    assert (on_ran["fused_cast_inputs"] > 0) == bf16, on_ran
+    # Under mixed precision the fp32 shards reach the copy-in uncast: one pass, no temporary.
+    assert (on_ran["fused_cast_inputs"] > 0) == (precision is not None), on_ran
     assert torch.equal(on_losses, off_losses), f"{on_losses} != {off_losses}"
     for name in off_weights:
         assert torch.equal(on_weights[name], off_weights[name]), name
     dist.barrier()
 
 
-@pytest.mark.parametrize("tp,bf16", [(1, False), (2, False), (1, True), (2, True)])
-def test_training_is_bitwise_identical_with_kernels(pools, tp, bf16):
-    pools(4).run(_case_training_identical, tp, bf16)
+@pytest.mark.parametrize("tp,precision", [(1, None), (2, None), (1, "bf16"), (2, "bf16"), (1, "fp16")])
+def test_training_is_bitwise_identical_with_kernels(pools, tp, precision):
+    pools(4).run(_case_training_identical, tp, precision)
