@@ -1,7 +1,9 @@
 # Creates (or reuses) the project's virtual environment and installs what
 # megatron_fsdp needs. Sourced by the other scripts; sets $PY.
 #
-#   MEGATRON_FSDP_VENV   where the environment lives (default: <repo>/.venv)
+#   MEGATRON_FSDP_VENV   where the environment lives (default: <repo>/.venv); `system`
+#                        uses $PYTHON itself, with the torch it has (a GPU image with
+#                        no network, say), and installs megatron_fsdp into it
 #   PYTHON               the interpreter that creates it (default: python3)
 #   MEGATRON_FSDP_TORCH  the torch requirement to install when none is present
 #                        (default: torch==2.13.0 without a GPU, torch>=2.11 with one)
@@ -9,12 +11,19 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MEGATRON_FSDP_VENV:-$ROOT/.venv}"
-PY="$VENV/bin/python"
+if [ "$VENV" = system ]; then
+  PY="$(command -v "${PYTHON:-python3}")"
+  VENV="$("$PY" -c 'import sys; print(sys.prefix)')"
+else
+  PY="$VENV/bin/python"
+fi
 
 if [ ! -x "$PY" ]; then
   echo "[env] creating $VENV" >&2
   "${PYTHON:-python3}" -m venv "$VENV"
-  # pip 23.2 turns --no-build-isolation editable installs into isolated builds.
+fi
+# pip 23.2 turns --no-build-isolation editable installs into isolated builds.
+if "$PY" -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) >= (23, 3))"; then
   "$PY" -m pip install -q --upgrade pip
 fi
 
