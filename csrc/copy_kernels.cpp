@@ -132,17 +132,20 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, at::
   const int64_t n = static_cast<int64_t>(out.size());
   const int64_t src_item = src.element_size();
   const char* base = static_cast<const char*>(src.data_ptr());
-  at::parallel_for(0, n * world, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t work = begin; work < end; ++work) {
-      const int64_t i = work / world, r = work % world;
+  // One work item per output, all its rows: per-tensor overhead once, not per rank.
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
       const at::Tensor& o = out[i];
       const int64_t len = split_sizes[i];
       if (len == 0 || len >= kLargePiece) continue;
       if (o.scalar_type() == src.scalar_type() && o.stride(1) == 1) {
-        std::memcpy(static_cast<char*>(o.data_ptr()) + r * o.stride(0) * src_item,
-                    base + (r * total + offsets[i]) * src_item, len * src_item);
+        char* dst = static_cast<char*>(o.data_ptr());
+        const int64_t dst_row = o.stride(0) * src_item;
+        for (int64_t r = 0; r < world; ++r) {
+          std::memcpy(dst + r * dst_row, base + (r * total + offsets[i]) * src_item, len * src_item);
+        }
       } else {
-        o.select(0, r).copy_(src.select(0, r).narrow(0, offsets[i], len));
+        o.copy_(src.narrow(1, offsets[i], len));
       }
     }
   });
