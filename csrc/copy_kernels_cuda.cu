@@ -56,18 +56,27 @@ void run_plan_on_device(const CopyPlan& plan, const at::Tensor& anchor) {
   for (const at::Tensor& zeros : plan.aten_zeros) zeros.zero_();
 }
 
+// A CUDA graph would capture the plan's upload from one host buffer and
+// replay it after that buffer is reused: while capturing, ATen's copies run.
+bool capturing(const at::Tensor& anchor) {
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace
 
 void pack_into_cuda(at::TensorList inputs, const at::Tensor& out) {
-  run_plan_on_device(plan_pack_into(inputs, out), out);
+  run_plan_on_device(plan_pack_into(inputs, out, /*use_kernel=*/!capturing(out)), out);
 }
 
 void split_copy_out_cuda(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
-  run_plan_on_device(plan_split_copy_out(src, split_sizes, out), src);
+  run_plan_on_device(plan_split_copy_out(src, split_sizes, out, /*use_kernel=*/!capturing(src)), src);
 }
 
 void chunk_cat_cuda(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
-  run_plan_on_device(plan_chunk_cat(tensors, num_chunks, out), out);
+  run_plan_on_device(plan_chunk_cat(tensors, num_chunks, out, /*use_kernel=*/!capturing(out)), out);
 }
 
 }  // namespace megatron_fsdp

@@ -29,26 +29,14 @@ bool copy_kind(at::ScalarType from, at::ScalarType to, CopyKind* kind) {
   return true;
 }
 
-// Elements to skip before src and dst are both aligned to whole vectors;
-// -1 when they never are together (then every access is scalar).
-template <typename S, typename D>
-int64_t vector_head(const void* src, const void* dst) {
-  constexpr int V = VecWidth<S, D>::value;
-  const auto s = reinterpret_cast<uintptr_t>(src), d = reinterpret_cast<uintptr_t>(dst);
-  if (s % sizeof(S) != 0 || d % sizeof(D) != 0) return -1;
-  constexpr uintptr_t src_align = V * sizeof(S), dst_align = V * sizeof(D);
-  const int64_t head = static_cast<int64_t>(((src_align - s % src_align) % src_align) / sizeof(S));
-  return (d + head * sizeof(D)) % dst_align == 0 ? head : -1;
-}
-
 }  // namespace
 
-void CopyPlan::add(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n_copy,
-                   int64_t n_zero) {
-  const int64_t total = n_copy + n_zero;
-  if (total == 0) return;
+bool CopyPlan::add(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n_copy,
+                   int64_t n_zero, int64_t rows, int64_t src_row_stride, int64_t dst_row_stride) {
   CopyKind kind;
-  TORCH_CHECK(copy_kind(src_type, dst_type, &kind), "copy plan: no kernel for ", src_type, " -> ", dst_type);
+  if (!use_kernel || !copy_kind(src_type, dst_type, &kind)) return false;
+  const int64_t total = n_copy + n_zero;
+  if (total == 0 || rows == 0) return true;
   CopyGroup* group = nullptr;
   for (CopyGroup& g : groups) {
     if (g.kind == kind) group = &g;
@@ -60,58 +48,90 @@ void CopyPlan::add(const void* src, at::ScalarType src_type, void* dst, at::Scal
   dispatch_copy_kind(kind, [&](auto s, auto d) {
     using S = typename decltype(s)::type;
     using D = typename decltype(d)::type;
-    group->segments.push_back(CopySegment{src, dst, n_copy, n_zero, vector_head<S, D>(src, dst)});
-    const int64_t tiles = (total + tile_elems<S, D>() - 1) / tile_elems<S, D>();
-    group->first_tile.push_back(group->first_tile.back() + tiles);
+    const int64_t tiles_per_row = (total + tile_elems<S, D>() - 1) / tile_elems<S, D>();
+    group->segments.push_back(
+        CopySegment{src, dst, n_copy, n_zero, rows, src_row_stride, dst_row_stride, tiles_per_row});
+    group->first_tile.push_back(group->first_tile.back() + rows * tiles_per_row);
   });
+  return true;
 }
 
 void CopyPlan::add_tensor_copy(const at::Tensor& dst_view, const at::Tensor& src, int64_t n_zero) {
-  CopyKind kind;
   const int64_t n = src.numel();
-  if (src.is_contiguous() && copy_kind(src.scalar_type(), dst_view.scalar_type(), &kind)) {
-    add(src.data_ptr(), src.scalar_type(), dst_view.data_ptr(), dst_view.scalar_type(), n, n_zero);
+  if (src.is_contiguous() &&
+      add(src.data_ptr(), src.scalar_type(), dst_view.data_ptr(), dst_view.scalar_type(), n, n_zero)) {
     return;
   }
   if (n > 0) aten_copies.emplace_back(dst_view.narrow(0, 0, n), src.reshape(-1));
   if (n_zero > 0) aten_zeros.push_back(dst_view.narrow(0, n, n_zero));
 }
 
-CopyPlan plan_pack_into(at::TensorList inputs, const at::Tensor& out) {
+namespace {
+
+char* byte_ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+}  // namespace
+
+// The common cases (contiguous, a dtype pair the kernels take) are planned
+// from raw pointers: a tensor view per piece would cost more host time than
+// the copy itself for thousands of small tensors.
+
+CopyPlan plan_pack_into(at::TensorList inputs, const at::Tensor& out, bool use_kernel) {
   const std::vector<int64_t> offsets = check_pack_args(inputs, out);
   CopyPlan plan;
+  plan.use_kernel = use_kernel;
+  const int64_t item = out.element_size();
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].numel() > 0) plan.add_tensor_copy(out.narrow(0, offsets[i], inputs[i].numel()), inputs[i]);
-  }
-  return plan;
-}
-
-CopyPlan plan_split_copy_out(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
-  const std::vector<int64_t> offsets = check_split_copy_out_args(src, split_sizes, out);
-  CopyPlan plan;
-  const int64_t world = src.size(0);
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (split_sizes[i] == 0) continue;
-    for (int64_t r = 0; r < world; ++r) {
-      const at::Tensor row = src.select(0, r).narrow(0, offsets[i], split_sizes[i]);
-      const at::Tensor dst = out[i].select(0, r);
-      if (dst.is_contiguous()) plan.add_tensor_copy(dst, row);
-      else plan.aten_copies.emplace_back(dst, row);
+    const at::Tensor& t = inputs[i];
+    const int64_t n = t.numel();
+    if (n == 0) continue;
+    if (!(t.is_contiguous() &&
+          plan.add(t.data_ptr(), t.scalar_type(), byte_ptr(out) + offsets[i] * item, out.scalar_type(), n, 0))) {
+      plan.add_tensor_copy(out.narrow(0, offsets[i], n), t);
     }
   }
   return plan;
 }
 
-CopyPlan plan_chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
+CopyPlan plan_split_copy_out(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out,
+                             bool use_kernel) {
+  const std::vector<int64_t> offsets = check_split_copy_out_args(src, split_sizes, out);
+  CopyPlan plan;
+  plan.use_kernel = use_kernel;
+  const int64_t world = src.size(0), total = src.size(1), item = src.element_size();
+  for (size_t i = 0; i < out.size(); ++i) {
+    const at::Tensor& o = out[i];
+    const int64_t len = split_sizes[i];
+    if (len == 0) continue;
+    // One segment per output: its `world` rows, src rows `total` apart.
+    if (!(o.stride(1) == 1 && plan.add(byte_ptr(src) + offsets[i] * item, src.scalar_type(), o.data_ptr(),
+                                       o.scalar_type(), len, 0, world, total, o.stride(0)))) {
+      plan.aten_copies.emplace_back(o, src.narrow(1, offsets[i], len));
+    }
+  }
+  return plan;
+}
+
+CopyPlan plan_chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out, bool use_kernel) {
   const ChunkCatLayout layout = check_chunk_cat_args(tensors, num_chunks, out);
   CopyPlan plan;
+  plan.use_kernel = use_kernel;
+  const int64_t item = out.element_size();
   for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
     const int64_t chunk_numel = layout.chunk_numel(i);
     if (chunk_numel == 0) continue;
     for (int64_t r = 0; r < num_chunks; ++r) {
       const int64_t valid = layout.valid(i, r);
-      const at::Tensor rows = tensors[i].narrow(0, layout.first_row(i, r), valid / std::max<int64_t>(layout.inner[i], 1));
-      plan.add_tensor_copy(out.select(0, r).narrow(0, layout.col_offset[i], chunk_numel), rows, chunk_numel - valid);
+      const int64_t first = layout.first_row(i, r) * layout.inner[i];
+      char* dst = byte_ptr(out) + (r * layout.row_numel + layout.col_offset[i]) * item;
+      if (t.is_contiguous() && plan.add(byte_ptr(t) + first * t.element_size(), t.scalar_type(), dst,
+                                        out.scalar_type(), valid, chunk_numel - valid)) {
+        continue;
+      }
+      const at::Tensor rows = t.narrow(0, layout.first_row(i, r), valid / layout.inner[i]);
+      plan.add_tensor_copy(out.select(0, r).narrow(0, layout.col_offset[i], chunk_numel), rows,
+                           chunk_numel - valid);
     }
   }
   return plan;

@@ -2,9 +2,11 @@
 // grouped by (source dtype, destination dtype) so that each group is one
 // kernel launch, whatever the number of tensors.
 //
-// Each segment is split into fixed-size tiles; a thread block moves one tile,
-// with 16-byte vector accesses where the segment's source and destination can
-// be aligned together and element accesses elsewhere. copy_tile() is compiled
+// A segment is one run of elements, or the same run in each of several rows
+// (copy-out: one segment per parameter, not per rank). Each row is split into
+// fixed-size tiles; a thread block moves one tile, with 16-byte vector
+// accesses where the row's source and destination can be aligned together and
+// element accesses elsewhere. copy_tile() is compiled
 // for the device by nvcc and for the host by the C++ compiler, which runs the
 // same plan thread by thread to test it without a GPU.
 #pragma once
@@ -28,9 +30,12 @@ namespace megatron_fsdp {
 struct CopySegment {
   const void* src;
   void* dst;
-  int64_t n_copy;  // elements read from src and written (cast) to dst
-  int64_t n_zero;  // zeros written after them: chunk_cat's padding
-  int64_t head;    // elements before src and dst are both vector-aligned; -1: never
+  int64_t n_copy;          // elements read from src and written (cast) to dst, per row
+  int64_t n_zero;          // zeros written after them (chunk_cat's padding), per row
+  int64_t rows;            // rows of the segment, at the strides below (elements)
+  int64_t src_row_stride;
+  int64_t dst_row_stride;
+  int64_t tiles_per_row;
 };
 
 // What a group's elements are moved as: same-size copies move bits (exact for
@@ -45,23 +50,28 @@ struct CopyGroup {
 };
 
 struct CopyPlan {
+  // false: every copy goes to ATen (e.g. while a CUDA graph is captured).
+  bool use_kernel = true;
   std::vector<CopyGroup> groups;
   // Copies the kernels do not take (strided sources, rare casts), run with
   // ATen's copy_: (destination view, source), and padding to zero next to them.
   std::vector<std::pair<at::Tensor, at::Tensor>> aten_copies;
   std::vector<at::Tensor> aten_zeros;
 
-  // Adds dst[0:n_copy] = cast(src[0:n_copy]), then n_zero zeros.
-  void add(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n_copy,
-           int64_t n_zero);
+  // Adds, for each of `rows` rows, dst[0:n_copy] = cast(src[0:n_copy]), then
+  // n_zero zeros; row k starts k * row stride elements on. Returns false,
+  // adding nothing, when the kernels do not take this dtype pair.
+  bool add(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n_copy,
+           int64_t n_zero, int64_t rows = 1, int64_t src_row_stride = 0, int64_t dst_row_stride = 0);
   // Adds a copy, through the kernel when the kernel can take it.
   void add_tensor_copy(const at::Tensor& dst_view, const at::Tensor& src, int64_t n_zero = 0);
 };
 
 // Plans of the three ops (arguments checked first: see copy_kernels.h).
-CopyPlan plan_pack_into(at::TensorList inputs, const at::Tensor& out);
-CopyPlan plan_split_copy_out(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out);
-CopyPlan plan_chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out);
+CopyPlan plan_pack_into(at::TensorList inputs, const at::Tensor& out, bool use_kernel = true);
+CopyPlan plan_split_copy_out(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out,
+                             bool use_kernel = true);
+CopyPlan plan_chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out, bool use_kernel = true);
 
 // ---- the per-tile copy, shared by the device and the host emulation ----
 
@@ -105,27 +115,41 @@ MFSDP_HOST_DEVICE inline int64_t find_segment(const int64_t* first_tile, int64_t
   return lo;
 }
 
+// Elements to skip before src and dst are both aligned to whole vectors;
+// -1 when they never are together (then every access is scalar).
+template <typename S, typename D>
+MFSDP_HOST_DEVICE inline int64_t vector_head(const S* src, const D* dst) {
+  constexpr int V = VecWidth<S, D>::value;
+  constexpr uint64_t src_align = V * sizeof(S), dst_align = V * sizeof(D);
+  const auto s = reinterpret_cast<uint64_t>(src), d = reinterpret_cast<uint64_t>(dst);
+  if (s % sizeof(S) != 0 || d % sizeof(D) != 0) return -1;
+  const int64_t head = static_cast<int64_t>(((src_align - s % src_align) % src_align) / sizeof(S));
+  return (d + head * sizeof(D)) % dst_align == 0 ? head : -1;
+}
+
 // Thread `thread` of `threads` moves its share of tile `tile` of `seg`.
 template <typename S, typename D>
 MFSDP_HOST_DEVICE void copy_tile(const CopySegment& seg, int64_t tile, int thread, int threads) {
   constexpr int V = VecWidth<S, D>::value;
   constexpr int64_t T = tile_elems<S, D>();
-  const S* src = static_cast<const S*>(seg.src);
-  D* dst = static_cast<D*>(seg.dst);
+  const int64_t row = tile / seg.tiles_per_row;
+  const S* src = static_cast<const S*>(seg.src) + row * seg.src_row_stride;
+  D* dst = static_cast<D*>(seg.dst) + row * seg.dst_row_stride;
   const int64_t n_copy = seg.n_copy;
   const int64_t total = n_copy + seg.n_zero;
-  const int64_t begin = tile * T;
+  const int64_t begin = (tile - row * seg.tiles_per_row) * T;
   const int64_t end = begin + T < total ? begin + T : total;
   auto scalar = [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo + thread; k < hi; k += threads) dst[k] = k < n_copy ? convert<S, D>(src[k]) : D(0);
   };
-  if (seg.head < 0) {
+  const int64_t head = vector_head(src, dst);
+  if (head < 0) {
     scalar(begin, end);
     return;
   }
   // Tiles start at multiples of T (itself a multiple of V), so the aligned
   // vectors of every tile start `head` elements in.
-  const int64_t vbegin = begin + seg.head < end ? begin + seg.head : end;
+  const int64_t vbegin = begin + head < end ? begin + head : end;
   const int64_t n_vec = (end - vbegin) / V;
   const int64_t vend = vbegin + n_vec * V;
   scalar(begin, vbegin);
