@@ -2,10 +2,13 @@
 
 import glob
 import os
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from helpers import full_params, make_config, setup_parallel
 from megatron_fsdp import checkpointing, parallel_state
@@ -15,15 +18,17 @@ from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
 
+TRACKER = checkpointing.TRACKER_FILENAME
 TOTAL_STEPS = 6
 SAVE_AT = 3
 GLOBAL_BATCH = 4
 SEQ = 16
 
 
-def _build(tp, fsdp, hidden_size=32):
+def _build(tp, fsdp, hidden_size=32, swiglu=False):
     setup_parallel(tp)
-    cfg = make_config(hidden_size=hidden_size, sequence_parallel=tp > 1)
+    cfg = make_config(hidden_size=hidden_size, sequence_parallel=tp > 1, gated_linear_unit=swiglu,
+                      activation_func=F.silu if swiglu else F.gelu)
     model = GPTModel(cfg, vocab_size=64, max_sequence_length=SEQ, position_embedding_type="rope")
     if fsdp:
         model = TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model)
@@ -137,6 +142,11 @@ def _case_crash_safety(ckpt):
     for name in expected:
         assert torch.equal(got[name], expected[name]), f"{name} not restored"
 
+    # The next save (rank 0 alone) removes what the killed save left.
+    save_checkpoint(3, model, optimizer, scheduler, ckpt)
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000002.tmp-killed"))
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "iter_0000003", TRACKER]
+
 
 def test_interrupted_save_keeps_previous_checkpoint(pools, tmp_path):
     pools(4).run(_case_crash_safety, str(tmp_path))
@@ -159,7 +169,7 @@ def _case_damage(ckpt, how):
             with open(shard, "r+b") as f:
                 f.truncate(size // 2)
         elif how == "tracker":
-            open(os.path.join(ckpt, checkpointing.TRACKER_FILENAME), "w").write("7\n")
+            open(os.path.join(ckpt, TRACKER), "w").write("7\n")
     dist.barrier()
 
 
@@ -185,10 +195,42 @@ def test_bad_checkpoints_raise_clear_errors_on_every_rank(pools, trained_checkpo
         assert e.type_name == "CheckpointError" and match in e.message, f"rank {e.rank}: {e.type_name}: {e.message}"
     if case == "mismatched_model":
         assert "checkpoint has shape [64, 32], model has [64, 48]" in errors[0].message
+    if case == "truncated":  # DCP's per-rank failures, one line each
+        assert all(re.search(r"rank \d: \w+(Error|Exception)", e.message) for e in errors), errors[0].message
+
+
+def _case_missing_state(ckpt):
+    model, optimizer, scheduler = _build(1, fsdp=True)
+    save_checkpoint(1, model, None, None, ckpt)  # Megatron's --no-save-optim
+    path = os.path.join(ckpt, "iter_0000001")
+    real_load, collective_loads = checkpointing.dcp.load, []
+    checkpointing.dcp.load = lambda *a, **k: collective_loads.append(1) or real_load(*a, **k)
+    try:
+        with pytest.raises(CheckpointError, match=re.escape(path) + " holds no optimizer state.*--no-load-optim"):
+            load_checkpoint(model, optimizer, scheduler, ckpt)
+        with pytest.raises(CheckpointError, match="no learning-rate scheduler state.*--no-load-optim"):
+            load_checkpoint(model, None, scheduler, ckpt)
+        assert not collective_loads, "the checks must come before DCP reads anything"
+        assert load_checkpoint(model, optimizer, scheduler, ckpt, load_optim=False)["rng_restored"]
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.remove(os.path.join(path, "rng", "rank_00001.pt"))
+        dist.barrier()
+        expected = "has no RNG state for rank 1.*--no-load-rng" if dist.get_rank() == 1 else "on another rank"
+        with pytest.raises(CheckpointError, match=expected):
+            load_checkpoint(model, optimizer, scheduler, ckpt, load_optim=False)
+        assert len(collective_loads) == 1
+        assert not load_checkpoint(model, None, None, ckpt, load_rng=False)["rng_restored"]
+    finally:
+        checkpointing.dcp.load = real_load
+
+
+def test_missing_optimizer_scheduler_or_rng_state_is_named_before_loading(pools, tmp_path):
+    pools(2).run(_case_missing_state, str(tmp_path))
 
 
 def _case_export(path):
-    model, optimizer, scheduler = _build(2, fsdp=True)
+    model, optimizer, scheduler = _build(2, fsdp=True, swiglu=True)
     _train(model, optimizer, scheduler, 1, 1)
     checkpointing.export_safetensors(model, path)
     weights = full_params(model.module)  # a collective: every rank gathers
@@ -201,7 +243,137 @@ def test_export_safetensors_holds_full_weights(pools, tmp_path):
     expected = pools(4).run(_case_export, path)[0]
     loaded = safetensors.load_file(path)
     assert loaded.keys() == expected.keys()
+    fc1 = [n for n in expected if ".mlp.linear_fc1." in n]
+    assert len(fc1) == 4  # weight and bias of two layers
     for name, tensor in expected.items():
+        if name in fc1:
+            # The model's own gate rows are W[0::2], its up rows W[1::2]: exported as [gate; up].
+            tensor = torch.cat([tensor[0::2], tensor[1::2]])
         assert loaded[name].dtype == torch.float32
         assert torch.equal(loaded[name], tensor), name
     assert not glob.glob(str(tmp_path / "*.tmp-*"))
+
+
+# ------------------------------------------------------- one process: the file protocol
+
+single_process = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _tiny(seed=0, bf16=False):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    config = OptimizerConfig(lr=1e-3, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    if bf16:
+        model = model.to(torch.bfloat16)
+    return model, get_megatron_optimizer(config, model)
+
+
+def _step(model, optimizer):
+    model(torch.ones(2, 4, dtype=next(model.parameters()).dtype)).float().square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _loaded_weight(ckpt, iteration=None):
+    model, optimizer = _tiny(seed=1)
+    load_checkpoint(model, optimizer, None, ckpt, iteration=iteration, load_rng=False)
+    return model[0].weight.detach().clone()
+
+
+@single_process
+def test_resave_keeps_a_loadable_checkpoint_at_every_moment(tmp_path, monkeypatch):
+    ckpt = str(tmp_path)
+    model, optimizer = _tiny()
+    save_checkpoint(1, model, optimizer, None, ckpt)
+    first = model[0].weight.detach().clone()
+    _step(model, optimizer)
+    second = model[0].weight.detach().clone()
+
+    real_replace, seen = os.replace, []
+    def checking_replace(src, dst):
+        renames_iteration = os.path.basename(str(src)).startswith("iter_0000001")
+        if renames_iteration:
+            seen.append(_loaded_weight(ckpt))
+        real_replace(src, dst)
+        if renames_iteration:
+            seen.append(_loaded_weight(ckpt))
+    monkeypatch.setattr(checkpointing.os, "replace", checking_replace)
+    save_checkpoint(1, model, optimizer, None, ckpt)
+    assert len(seen) == 4 and torch.equal(seen[0], first) and torch.equal(seen[-1], second)
+    assert all(torch.equal(w, first) or torch.equal(w, second) for w in seen)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", TRACKER]
+
+    # Killed between the two renames: the set-aside copy is what loads.
+    class Killed(BaseException):
+        pass
+    def killed_replace(src, dst):
+        if ".tmp-" in os.path.basename(str(src)) and os.path.basename(str(dst)) == "iter_0000001":
+            raise Killed
+        real_replace(src, dst)
+    _step(model, optimizer)
+    monkeypatch.setattr(checkpointing.os, "replace", killed_replace)
+    with pytest.raises(Killed):
+        save_checkpoint(1, model, optimizer, None, ckpt)
+    monkeypatch.setattr(checkpointing.os, "replace", real_replace)
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000001"))
+    assert torch.equal(_loaded_weight(ckpt), second)
+
+    # A restarted run's first save puts the set-aside copy back and removes
+    # what earlier runs left, but not a save of its own in progress.
+    monkeypatch.setattr(checkpointing, "_RUN_ID", "a1ater0n")
+    in_progress = "iter_0000009.tmp-a1ater0n-0"
+    for name in ("iter_0000009.tmp-0badc0de-1", "iter_0000009.tmp-killed", in_progress):
+        os.makedirs(os.path.join(ckpt, name))
+    save_checkpoint(2, model, optimizer, None, ckpt)
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "iter_0000002", in_progress, TRACKER]
+    assert torch.equal(_loaded_weight(ckpt, iteration=1), second)
+
+
+@single_process
+def test_renames_and_tracker_are_fsynced(tmp_path, monkeypatch):
+    ckpt = str(tmp_path)
+    events = []
+    real_replace, real_fsync = os.replace, os.fsync
+    def recording_replace(src, dst):
+        real_replace(src, dst)
+        events.append(("replace", os.path.basename(str(dst))))
+    def recording_fsync(fd):
+        real_fsync(fd)
+        events.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
+    monkeypatch.setattr(checkpointing.os, "replace", recording_replace)
+    monkeypatch.setattr(checkpointing.os, "fsync", recording_fsync)
+    model, optimizer = _tiny()
+    save_checkpoint(1, model, optimizer, None, ckpt)
+    root = os.path.realpath(ckpt)
+    renamed, tracked = events.index(("replace", "iter_0000001")), events.index(("replace", TRACKER))
+    for name in ("common.pt", os.path.join("rng", "rank_00000.pt")):
+        assert any(kind == "fsync" and path.endswith(name) for kind, path in events[:renamed]), (
+            f"{name} was not fsynced before the rename")
+    # The checkpoint's rename is durable before the tracker names it, and the tracker after.
+    assert ("fsync", root) in events[renamed + 1:tracked], "the directory was not fsynced after the rename"
+    assert ("fsync", root) in events[tracked + 1:], "the directory was not fsynced after the tracker's rename"
+
+
+@single_process
+def test_bf16_main_params_round_trip(tmp_path):
+    ckpt = str(tmp_path)
+    model, optimizer = _tiny(bf16=True)
+    for _ in range(2):
+        _step(model, optimizer)
+    save_checkpoint(2, model, optimizer, None, ckpt)
+    mains = {n: t.clone() for n, t in optimizer.main_params_state_dict(model).items()}
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in mains.values()), "main params must be finer than bf16"
+
+    restored, restored_optimizer = _tiny(seed=1, bf16=True)
+    load_checkpoint(restored, restored_optimizer, None, ckpt, load_rng=False)
+    for name, value in restored_optimizer.main_params_state_dict(restored).items():
+        assert torch.equal(value, mains[name]), f"{name}: the fp32 main param must come back exactly"
+    saved_state = optimizer.optimizer.state_dict()["state"]
+    for index, value in restored_optimizer.optimizer.state_dict()["state"].items():
+        assert value["exp_avg"].dtype == torch.float32 and torch.equal(value["exp_avg"], saved_state[index]["exp_avg"])
+
+    # Without optimizer state (--no-load-optim), the main params follow the loaded model.
+    fresh, fresh_optimizer = _tiny(seed=1, bf16=True)
+    load_checkpoint(fresh, fresh_optimizer, None, ckpt, load_optim=False, load_rng=False)
+    for name, value in fresh_optimizer.main_params_state_dict(fresh).items():
+        assert torch.equal(value, dict(fresh.named_parameters())[name].detach().float()), name

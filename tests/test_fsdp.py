@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 import reference_gpt
 from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel
@@ -315,6 +316,32 @@ def _case_helpers():
 
 def test_megatron_interface_helpers(pools):
     pools(4).run(_case_helpers)
+
+
+def _case_gloo_sum_reduction():
+    *_, wrapped = _build(1, "plain", {}, {}, {})
+    fsdp_modules = [m for m in wrapped.module.modules() if isinstance(m, FSDPModule)]
+    assert len(fsdp_modules) == len(wrapped.fsdp_units) + 1
+    groups = [g for m in fsdp_modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    assert groups and all(g.force_sum_reduction_for_comms for g in groups), (
+        f"{sum(not g.force_sum_reduction_for_comms for g in groups)} of {len(groups)} FSDP param groups "
+        "would reduce with AVG/PREMUL_SUM")
+    ids = torch.randint(0, 64, (MICRO, SEQ), generator=torch.Generator().manual_seed(dist.get_rank()))
+    positions = torch.arange(SEQ).expand(MICRO, SEQ)
+    wrapped(ids, positions, None, labels=ids).mean().backward()
+    mean = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+    wrapped.zero_grad_buffer()
+    # A divide factor other than the group size makes FSDP2 reduce with
+    # PREMUL_SUM, which gloo rejects, in every unit that is not forced to SUM.
+    for m in fsdp_modules:
+        m.set_gradient_divide_factor(1.0)
+    wrapped(ids, positions, None, labels=ids).mean().backward()
+    summed = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
+    assert_close_dicts(summed, {n: g * dist.get_world_size() for n, g in mean.items()}, "summed gradient")
+
+
+def test_gloo_reductions_are_sums_in_every_unit(pools):
+    pools(4).run(_case_gloo_sum_reduction)
 
 
 def _case_bad_input(case):

@@ -37,10 +37,60 @@ def test_optimizer_groups_step_protocol_and_clipping():
     (dict(lr=1.0, optimizer="lamb"), ValueError, "got 'lamb'"),
     (dict(lr=1.0, fp16=True), NotImplementedError, "fp16=True"),
     (dict(lr=1.0, clip_grad=-1.0), ValueError, "clip_grad must be >= 0"),
+    (dict(lr=1.0, params_dtype=torch.float16), ValueError, "params_dtype must be one of"),
 ])
 def test_optimizer_config_rejects(kwargs, error, match):
     with pytest.raises(error, match=match):
         OptimizerConfig(**kwargs)
+
+
+def _bf16_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2)).to(torch.bfloat16)
+
+
+BF16 = dict(lr=1e-4, weight_decay=0.1, clip_grad=0.5, bf16=True, params_dtype=torch.bfloat16)
+
+
+def test_bf16_params_are_stepped_through_fp32_main_params():
+    model = _bf16_model()
+    initial = {n: p.detach().float() for n, p in model.named_parameters()}
+    opt = get_megatron_optimizer(OptimizerConfig(**BF16), model)
+    mains = opt.main_params_state_dict(model)
+    assert mains.keys() == initial.keys() and all(m.dtype == torch.float32 for m in mains.values())
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in stepped), "the torch optimizer must step the fp32 copies"
+
+    # Reference: AdamW on fp32 copies, fed the bf16 gradients, clipped alike.
+    ref = {n: p.clone().requires_grad_(True) for n, p in initial.items()}
+    ref_opt = torch.optim.AdamW([{"params": [ref["0.weight"], ref["2.weight"]], "weight_decay": 0.1},
+                                 {"params": [ref[n] for n in ("0.bias", "1.weight", "1.bias", "2.bias")],
+                                  "weight_decay": 0.0}], lr=1e-4)
+    x = torch.randn(16, 4).bfloat16()
+    for _ in range(3):
+        model(x).float().square().mean().backward()
+        for n, p in model.named_parameters():
+            ref[n].grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(ref.values(), 0.5)
+        opt.step()
+        ref_opt.step()
+        assert all(p.grad is None for p in model.parameters()), "bf16 gradients move into the fp32 ones"
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for n, p in model.named_parameters():
+        # Steps of 1e-4 are below bf16's resolution: only the fp32 copy keeps them.
+        torch.testing.assert_close(mains[n], ref[n].detach(), rtol=1e-5, atol=1e-7)
+        assert torch.equal(p.detach(), mains[n].to(torch.bfloat16)), f"{n}: model must hold its rounded main param"
+    assert any(not torch.equal(mains[n], initial[n]) for n in mains)
+
+    other = get_megatron_optimizer(OptimizerConfig(**BF16), _bf16_model(seed=1))
+    other.load_state_dict(opt.state_dict())
+    for mine, theirs in zip(opt.state_dict()["fp32_from_fp16_params"], other.state_dict()["fp32_from_fp16_params"]):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+    with pytest.raises(ValueError, match=r"parameter 0.weight is torch.bfloat16, but OptimizerConfig.params_dtype="
+                                         r"torch.float32"):
+        get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True), _bf16_model())
 
 
 def test_scheduler_warmup_then_cosine_and_state_round_trip():

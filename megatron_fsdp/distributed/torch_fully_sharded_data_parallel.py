@@ -101,8 +101,14 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         root_reshard = False if self.reshard_after_forward is True else self.reshard_after_forward
         fully_shard(module, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy)
         if dist.get_backend(self.process_group) == "gloo":
-            # gloo has no AVG/PREMUL_SUM reductions: sum, then divide.
-            module.set_force_sum_reduction_for_comms(True)
+            # gloo rejects ReduceOp.PREMUL_SUM, which FSDP2 reduces with once a
+            # gradient divide factor other than the group size is set
+            # (set_gradient_divide_factor); forcing SUM makes it divide after
+            # the reduction instead. The setting belongs to each fully_shard
+            # call's parameter group, so every unit needs it, not the root alone.
+            for fsdp_module in module.modules():
+                if isinstance(fsdp_module, FSDPModule):
+                    fsdp_module.set_force_sum_reduction_for_comms(True)
         if getattr(config, "recompute_granularity", None) is not None:
             # Recomputation re-runs forwards inside backward and confuses FSDP's
             # implicit prefetch order; prefetch the previous unit explicitly.

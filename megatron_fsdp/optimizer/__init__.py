@@ -1,4 +1,4 @@
-from .clip_grads import clip_grad_by_total_norm_fp32, clip_grad_norm_, get_grad_norm_fp32
+from .clip_grads import clip_grad_by_total_norm_fp32, clip_grad_norm_, count_zeros_fp32, get_grad_norm_fp32
 from .optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 
 __all__ = [
@@ -6,6 +6,7 @@ __all__ = [
     "OptimizerConfig",
     "clip_grad_by_total_norm_fp32",
     "clip_grad_norm_",
+    "count_zeros_fp32",
     "get_grad_norm_fp32",
     "get_megatron_optimizer",
 ]

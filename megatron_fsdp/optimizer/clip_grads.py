@@ -1,15 +1,15 @@
-"""Gradient norm and clipping over parameters sharded any way.
+"""Gradient norm, clipping and zero counts over parameters sharded any way.
 
-A DTensor gradient's local norms are summed over the mesh dimensions on which
-it is sharded and not over those on which it is replicated, so every element
-counts exactly once whether it is split by TP, by FSDP, or both. A plain
-tensor gradient is taken to be replicated (norm weights, for instance).
+A DTensor gradient's local statistics are summed over the mesh dimensions on
+which it is sharded and not over those on which it is replicated, so every
+element counts exactly once whether it is split by TP, by FSDP, or both. A
+plain tensor gradient is taken to be replicated (norm weights, for instance).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Union
+from typing import Callable, Iterable, Union
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,26 @@ def _shard_groups(t: DTensor) -> tuple:
     return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if not p.is_replicate())
 
 
+def _reduce_over_shards(grads: list[torch.Tensor], local_stat: Callable[[torch.Tensor], torch.Tensor],
+                        op) -> torch.Tensor:
+    """`op` (SUM or MAX) of `local_stat` over every gradient element, the
+    same on every rank: one reduction per distinct set of sharded mesh dims."""
+    buckets: dict[tuple, list] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        groups = _shard_groups(g) if isinstance(g, DTensor) else ()
+        # Keyed by group name: ProcessGroup wrappers are not unique objects.
+        buckets.setdefault(tuple(pg.group_name for pg in groups), [groups, []])[1].append(local_stat(local.detach()))
+    is_max = op == dist.ReduceOp.MAX
+    total = None
+    for groups, values in buckets.values():
+        value = torch.stack(values).max() if is_max else torch.stack(values).sum()
+        for group in groups:  # one reduction per sharded mesh dimension
+            dist.all_reduce(value, op=op, group=group)
+        total = value if total is None else (torch.maximum(total, value) if is_max else total + value)
+    return total
+
+
 def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 2) -> float:
     """The norm of all gradients together, the same value on every rank."""
     norm_type = float(norm_type)
@@ -39,24 +59,23 @@ def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 
     grads = _as_list(grads_for_norm)
     if not grads:
         return 0.0
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        local = g.to_local() if isinstance(g, DTensor) else g
-        groups = _shard_groups(g) if isinstance(g, DTensor) else ()
-        if norm_type == math.inf:
-            value = local.detach().abs().max().float() if local.numel() else local.new_zeros((), dtype=torch.float32)
-        else:
-            value = torch.linalg.vector_norm(local.detach().float(), norm_type) ** norm_type
-        # Keyed by group name: ProcessGroup wrappers are not unique objects.
-        buckets.setdefault(tuple(g.group_name for g in groups), [groups, []])[1].append(value)
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    total = None
-    for groups, values in buckets.values():
-        value = torch.stack(values).max() if norm_type == math.inf else torch.stack(values).sum()
-        for group in groups:  # one reduction per sharded mesh dimension
-            dist.all_reduce(value, op=op, group=group)
-        total = value if total is None else (torch.maximum(total, value) if norm_type == math.inf else total + value)
-    return float(total if norm_type == math.inf else total ** (1.0 / norm_type))
+    if norm_type == math.inf:
+        return float(_reduce_over_shards(
+            grads, lambda t: t.abs().max().float() if t.numel() else t.new_zeros((), dtype=torch.float32),
+            dist.ReduceOp.MAX))
+    total = _reduce_over_shards(grads, lambda t: torch.linalg.vector_norm(t.float(), norm_type) ** norm_type,
+                                dist.ReduceOp.SUM)
+    return float(total ** (1.0 / norm_type))
+
+
+def count_zeros_fp32(parameters: _Tensors) -> int:
+    """The number of zero elements in the gradients of `parameters`, each
+    element counted once across TP and DP: the same value on every rank."""
+    grads = [p.grad for p in _as_list(parameters) if p.grad is not None]
+    if not grads:
+        return 0
+    # int64: a float32 count is inexact above 2**24 elements.
+    return int(_reduce_over_shards(grads, lambda t: (t == 0).sum(dtype=torch.int64), dist.ReduceOp.SUM))
 
 
 def clip_grad_by_total_norm_fp32(parameters: _Tensors, max_norm: float, total_norm: float) -> None:
