@@ -8,6 +8,7 @@ torch already installed (an isolated build would fetch a second torch).
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -28,16 +29,23 @@ with_cuda = (
     and os.environ.get("MEGATRON_FSDP_NO_CUDA", "0") != "1"
 )
 # No -std flag: torch adds the C++ standard its own headers need.
-cxx_flags = ["-O3"]
+# -fopenmp: at::parallel_for is a header template that runs serially unless
+# the including code is compiled with OpenMP. The libgomp.so.1 linked here
+# resolves to the one torch loaded first (same soname), so there is one
+# thread pool, sized by torch.set_num_threads.
+openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+cxx_flags = ["-O3"] + openmp
 if with_cuda:
     extension = CUDAExtension(
         "megatron_fsdp._C",
         cpp_sources + cuda_sources,
         define_macros=[("MEGATRON_FSDP_WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+        extra_link_args=openmp,
     )
 else:
-    extension = CppExtension("megatron_fsdp._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
+    extension = CppExtension("megatron_fsdp._C", cpp_sources, extra_compile_args={"cxx": cxx_flags},
+                             extra_link_args=openmp)
 
 setup(
     name="megatron_fsdp",

@@ -59,10 +59,14 @@ std::tuple<at::Tensor, at::Tensor> fsdp_all_gather_copy_in(at::TensorList all_ga
   const int64_t numel = all_gather_input_numel.expect_int();
   TORCH_CHECK(inp_split_sizes.size() == all_gather_inputs.size(), "all_gather_copy_in: ", all_gather_inputs.size(),
               " inputs but ", inp_split_sizes.size(), " split sizes");
+  int64_t split_total = 0;
   for (size_t i = 0; i < all_gather_inputs.size(); ++i) {
     TORCH_CHECK(inp_split_sizes[i].expect_int() == all_gather_inputs[i].numel(), "all_gather_copy_in: input ", i,
                 " has ", all_gather_inputs[i].numel(), " elements but its split size is ", inp_split_sizes[i]);
+    split_total += all_gather_inputs[i].numel();
   }
+  TORCH_CHECK(split_total == numel, "all_gather_copy_in: the split sizes add up to ", split_total,
+              " but all_gather_input_numel is ", numel);
   at::Tensor all_gather_input = all_gather_output.narrow(0, numel * rank.expect_int(), numel);
   pack_into(all_gather_inputs, all_gather_input);
   ++g_all_gather_copy_in_calls;
@@ -171,21 +175,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   );
   // Direct entry points: for thousands of small tensors, the boxed
   // dispatcher's per-tensor cost (list to IValues) outweighs the copies.
-  m.def("pack_into", [](const std::vector<at::Tensor>& inputs, const at::Tensor& out) { pack_into(inputs, out); });
+  // They record no autograd and release the GIL while they copy.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("pack_into", [](const std::vector<at::Tensor>& inputs, const at::Tensor& out) { pack_into(inputs, out); },
+        nogil);
   m.def("split_copy_out", [](const at::Tensor& src, const std::vector<int64_t>& sizes,
-                             const std::vector<at::Tensor>& out) { split_copy_out(src, sizes, out); });
+                             const std::vector<at::Tensor>& out) { split_copy_out(src, sizes, out); }, nogil);
   m.def("chunk_cat", [](const std::vector<at::Tensor>& tensors, int64_t num_chunks, const at::Tensor& out) {
     chunk_cat(tensors, num_chunks, out);
-  });
+  }, nogil);
   // The CUDA kernels' plans run on the host (tests without a GPU).
   m.def("pack_into_emulated", [](const std::vector<at::Tensor>& inputs, const at::Tensor& out) {
     pack_into_emulated(inputs, out);
-  });
+  }, nogil);
   m.def("split_copy_out_emulated", [](const at::Tensor& src, const std::vector<int64_t>& sizes,
-                                      const std::vector<at::Tensor>& out) { split_copy_out_emulated(src, sizes, out); });
+                                      const std::vector<at::Tensor>& out) { split_copy_out_emulated(src, sizes, out); },
+        nogil);
   m.def("chunk_cat_emulated", [](const std::vector<at::Tensor>& tensors, int64_t num_chunks, const at::Tensor& out) {
     chunk_cat_emulated(tensors, num_chunks, out);
-  });
+  }, nogil);
   m.def("install_fsdp_kernels", &install_fsdp_kernels,
         "Register our kernels for fsdp::all_gather_copy_in, split_with_sizes_copy and chunk_cat");
   m.def("uninstall_fsdp_kernels", &uninstall_fsdp_kernels, "Remove them: torch's kernels serve again");

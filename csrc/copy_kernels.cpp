@@ -14,6 +14,8 @@
 #include "copy_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <cstring>
 
@@ -22,6 +24,7 @@ namespace megatron_fsdp {
 std::vector<int64_t> check_pack_args(at::TensorList inputs, const at::Tensor& out) {
   TORCH_CHECK(out.dim() == 1, "pack_into: out must be 1-D, got ", out.dim(), " dimensions");
   TORCH_CHECK(out.is_contiguous(), "pack_into: out must be contiguous");
+  TORCH_CHECK(!out.is_conj() && !out.is_neg(), "pack_into: out must not be a conjugate or negative view");
   std::vector<int64_t> offsets;
   offsets.reserve(inputs.size());
   int64_t total = 0;
@@ -29,7 +32,6 @@ std::vector<int64_t> check_pack_args(at::TensorList inputs, const at::Tensor& ou
     const at::Tensor& t = inputs[i];
     TORCH_CHECK(t.device() == out.device(), "pack_into: inputs[", i, "] is on ", t.device(),
                 " but out is on ", out.device());
-    TORCH_CHECK(!t.is_complex() && !out.is_complex(), "pack_into: complex tensors are not supported");
     offsets.push_back(total);
     total += t.numel();
   }
@@ -46,8 +48,9 @@ constexpr int64_t kLargePiece = 1 << 20;  // elements
 // (single-threaded inside the pass), whose per-call cost they amortize.
 constexpr int64_t kSmallCast = 1 << 12;  // elements
 
-// dst[k] = To(src[k]) for the casts mixed precision makes; c10's conversions
-// are the ones torch's own copy kernels use, so the bits match.
+// dst[k] = To(src[k]) for the casts mixed precision makes, with c10's scalar
+// conversions: the bits of torch's own copy, except NaN payloads, which
+// torch's vectorized CPU cast writes as 0xFFFF where c10 writes 0x7FC0.
 template <typename From, typename To>
 static void cast_copy(const void* src, void* dst, int64_t n) {
   const From* s = static_cast<const From*>(src);
@@ -67,6 +70,17 @@ static bool fast_cast_copy(at::ScalarType from, at::ScalarType to, const void* s
   return true;
 }
 
+// ATen calls inside a parallel region run on pool threads: they need the
+// caller's thread-local state (inference mode, dispatch key exclusions).
+template <typename F>
+static void parallel_with_caller_state(int64_t n, const F& f) {
+  const at::ThreadLocalState state;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
+    f(begin, end);
+  });
+}
+
 void pack_into_cpu(at::TensorList inputs, const at::Tensor& out) {
   const std::vector<int64_t> offsets = check_pack_args(inputs, out);
   const int64_t n = static_cast<int64_t>(inputs.size());
@@ -74,12 +88,12 @@ void pack_into_cpu(at::TensorList inputs, const at::Tensor& out) {
   char* base = static_cast<char*>(out.data_ptr());
   // Small tensors are the case this op exists for: the fast path touches
   // only raw pointers (a tensor view alone costs about a microsecond).
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_with_caller_state(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const at::Tensor& t = inputs[i];
       const int64_t numel = t.numel();
       if (numel == 0 || numel >= kLargePiece) continue;
-      if (t.is_contiguous()) {
+      if (is_plain(t)) {
         if (t.scalar_type() == out.scalar_type()) {
           std::memcpy(base + offsets[i] * item, t.data_ptr(), numel * item);
           continue;
@@ -116,6 +130,8 @@ std::vector<int64_t> check_split_copy_out_args(const at::Tensor& src, at::IntArr
                 "] has shape ", o.sizes(), ", expected [", world, ", ", split_sizes[i], "]");
     TORCH_CHECK(o.device() == src.device(), "split_copy_out: out[", i, "] is on ", o.device(), " but src is on ",
                 src.device());
+    TORCH_CHECK(!o.is_conj() && !o.is_neg(), "split_copy_out: out[", i, "] is a conjugate or negative view");
+    at::assert_no_internal_overlap(o);
     offsets[i] = total;
     total += split_sizes[i];
   }
@@ -132,13 +148,14 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, at::
   const int64_t n = static_cast<int64_t>(out.size());
   const int64_t src_item = src.element_size();
   const char* base = static_cast<const char*>(src.data_ptr());
+  const bool raw_src = !src.is_conj() && !src.is_neg();
   // One work item per output, all its rows: per-tensor overhead once, not per rank.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  parallel_with_caller_state(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const at::Tensor& o = out[i];
       const int64_t len = split_sizes[i];
       if (len == 0 || len >= kLargePiece) continue;
-      if (o.scalar_type() == src.scalar_type() && o.stride(1) == 1) {
+      if (raw_src && o.scalar_type() == src.scalar_type() && o.stride(1) == 1) {
         char* dst = static_cast<char*>(o.data_ptr());
         const int64_t dst_row = o.stride(0) * src_item;
         for (int64_t r = 0; r < world; ++r) {
@@ -158,6 +175,7 @@ ChunkCatLayout check_chunk_cat_args(at::TensorList tensors, int64_t num_chunks, 
   TORCH_CHECK(num_chunks >= 1, "chunk_cat: num_chunks must be >= 1, got ", num_chunks);
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == num_chunks,
               "chunk_cat: out must be a contiguous [num_chunks, n] tensor, got shape ", out.sizes());
+  TORCH_CHECK(!out.is_conj() && !out.is_neg(), "chunk_cat: out must not be a conjugate or negative view");
   const int64_t n = static_cast<int64_t>(tensors.size());
   ChunkCatLayout layout;
   layout.col_offset.resize(n);
@@ -191,7 +209,7 @@ void chunk_cat_cpu(at::TensorList tensors, int64_t num_chunks, const at::Tensor&
     out.select(0, r).narrow(0, layout.col_offset[i], valid).copy_(
         tensors[i].narrow(0, layout.first_row(i, r), valid / layout.inner[i]).reshape(-1));
   };
-  at::parallel_for(0, n * num_chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_with_caller_state(n * num_chunks, [&](int64_t begin, int64_t end) {
     for (int64_t work = begin; work < end; ++work) {
       const int64_t i = work / num_chunks, r = work % num_chunks;
       const at::Tensor& t = tensors[i];
@@ -204,9 +222,10 @@ void chunk_cat_cpu(at::TensorList tensors, int64_t num_chunks, const at::Tensor&
       } else if (valid > 0) {
         const int64_t src_offset = layout.first_row(i, r) * layout.inner[i] * t.element_size();
         const char* src = static_cast<const char*>(t.data_ptr()) + src_offset;
-        if (t.is_contiguous() && t.scalar_type() == out.scalar_type()) {
+        const bool raw = is_plain(t);
+        if (raw && t.scalar_type() == out.scalar_type()) {
           std::memcpy(dst, src, valid * item);
-        } else if (!(t.is_contiguous() && valid < kSmallCast &&
+        } else if (!(raw && valid < kSmallCast &&
                      fast_cast_copy(t.scalar_type(), out.scalar_type(), src, dst, valid))) {
           aten_copy(i, r, valid);
         }

@@ -7,6 +7,10 @@
 
 namespace megatron_fsdp {
 
+// Contiguous, with no lazy conjugate or negative bit: its bytes are its
+// values, so raw copies of them are right. Anything else takes ATen's copy.
+inline bool is_plain(const at::Tensor& t) { return t.is_contiguous() && !t.is_conj() && !t.is_neg(); }
+
 // Argument checks: each throws, naming the offending index and value, before
 // any write; CPU and CUDA kernels run the same ones.
 

@@ -12,7 +12,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstring>
-#include <limits>
 
 namespace megatron_fsdp {
 namespace {
@@ -29,7 +28,6 @@ void launch_group(const CopyGroup& group, const at::Device& device, cudaStream_t
   const int64_t n = static_cast<int64_t>(group.segments.size());
   const int64_t tiles = group.first_tile.back();
   if (tiles == 0) return;
-  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "copy kernels: ", tiles, " tiles exceed one grid");
   const size_t segment_bytes = n * sizeof(CopySegment);
   const size_t bytes = segment_bytes + (n + 1) * sizeof(int64_t);
   // Pinned, so the upload is asynchronous; the caching host allocator keeps

@@ -6,6 +6,7 @@
 #include "copy_kernels.h"
 
 #include <cstdint>
+#include <limits>
 
 namespace megatron_fsdp {
 namespace {
@@ -53,12 +54,15 @@ bool CopyPlan::add(const void* src, at::ScalarType src_type, void* dst, at::Scal
         CopySegment{src, dst, n_copy, n_zero, rows, src_row_stride, dst_row_stride, tiles_per_row});
     group->first_tile.push_back(group->first_tile.back() + rows * tiles_per_row);
   });
+  // One launch per group, one block per tile: checked while planning, before any launch.
+  TORCH_CHECK(group->first_tile.back() <= std::numeric_limits<int32_t>::max(), "copy kernels: ",
+              group->first_tile.back(), " tiles of one dtype pair exceed a CUDA grid; split the call");
   return true;
 }
 
 void CopyPlan::add_tensor_copy(const at::Tensor& dst_view, const at::Tensor& src, int64_t n_zero) {
   const int64_t n = src.numel();
-  if (src.is_contiguous() &&
+  if (is_plain(src) &&
       add(src.data_ptr(), src.scalar_type(), dst_view.data_ptr(), dst_view.scalar_type(), n, n_zero)) {
     return;
   }
@@ -85,7 +89,7 @@ CopyPlan plan_pack_into(at::TensorList inputs, const at::Tensor& out, bool use_k
     const at::Tensor& t = inputs[i];
     const int64_t n = t.numel();
     if (n == 0) continue;
-    if (!(t.is_contiguous() &&
+    if (!(is_plain(t) &&
           plan.add(t.data_ptr(), t.scalar_type(), byte_ptr(out) + offsets[i] * item, out.scalar_type(), n, 0))) {
       plan.add_tensor_copy(out.narrow(0, offsets[i], n), t);
     }
@@ -104,7 +108,7 @@ CopyPlan plan_split_copy_out(const at::Tensor& src, at::IntArrayRef split_sizes,
     const int64_t len = split_sizes[i];
     if (len == 0) continue;
     // One segment per output: its `world` rows, src rows `total` apart.
-    if (!(o.stride(1) == 1 && plan.add(byte_ptr(src) + offsets[i] * item, src.scalar_type(), o.data_ptr(),
+    if (!(o.stride(1) == 1 && !src.is_conj() && !src.is_neg() && plan.add(byte_ptr(src) + offsets[i] * item, src.scalar_type(), o.data_ptr(),
                                        o.scalar_type(), len, 0, world, total, o.stride(0)))) {
       plan.aten_copies.emplace_back(o, src.narrow(1, offsets[i], len));
     }
@@ -125,7 +129,7 @@ CopyPlan plan_chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Te
       const int64_t valid = layout.valid(i, r);
       const int64_t first = layout.first_row(i, r) * layout.inner[i];
       char* dst = byte_ptr(out) + (r * layout.row_numel + layout.col_offset[i]) * item;
-      if (t.is_contiguous() && plan.add(byte_ptr(t) + first * t.element_size(), t.scalar_type(), dst,
+      if (is_plain(t) && plan.add(byte_ptr(t) + first * t.element_size(), t.scalar_type(), dst,
                                         out.scalar_type(), valid, chunk_numel - valid)) {
         continue;
       }

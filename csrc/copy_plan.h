@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <type_traits>
 #include <utility>
@@ -89,10 +90,68 @@ constexpr int64_t tile_elems() {
   return static_cast<int64_t>(kCopyThreads) * kVecsPerThread * VecWidth<S, D>::value;
 }
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
+// A whole vector as 32-bit words: loaded and stored in one 16- or 8-byte
+// access. (A vector of 2-byte elements written element by element lets the
+// compiler split its store into 2-byte stores.)
+template <int Bytes>
+struct alignas(Bytes) RawWord {
+  uint32_t w[Bytes / 4];
 };
+
+template <typename T>
+MFSDP_HOST_DEVICE inline T from_bits(uint64_t bits) {
+  T value;
+  memcpy(&value, &bits, sizeof(T));  // little-endian: the low bytes
+  return value;
+}
+
+template <typename T>
+MFSDP_HOST_DEVICE inline uint64_t to_bits(T value) {
+  uint64_t bits = 0;
+  memcpy(&bits, &value, sizeof(T));
+  return bits;
+}
+
+// One 16- or 8-byte store. On the device written out in PTX: a value
+// assembled word by word is otherwise stored in pieces (seen with nvcc 13).
+template <int Bytes>
+MFSDP_HOST_DEVICE inline void store_raw(void* p, const RawWord<Bytes>& r) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (Bytes == 16) {
+    asm volatile("st.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]), "r"(r.w[2]), "r"(r.w[3])
+                 : "memory");
+  } else {
+    asm volatile("st.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]) : "memory");
+  }
+#else
+  *reinterpret_cast<RawWord<Bytes>*>(p) = r;
+#endif
+}
+
+// Element e of a raw word holding elements of type T.
+template <typename T, int Bytes>
+MFSDP_HOST_DEVICE inline T raw_get(const RawWord<Bytes>& r, int e) {
+  constexpr int B = sizeof(T);
+  if constexpr (B == 8) {
+    return from_bits<T>(static_cast<uint64_t>(r.w[2 * e]) | (static_cast<uint64_t>(r.w[2 * e + 1]) << 32));
+  } else {
+    const uint32_t word = r.w[(e * B) / 4] >> (8 * ((e * B) % 4));
+    return from_bits<T>(B == 4 ? word : word & ((1u << (8 * B)) - 1u));
+  }
+}
+
+// Sets element e of a zero-initialized raw word.
+template <typename T, int Bytes>
+MFSDP_HOST_DEVICE inline void raw_set(RawWord<Bytes>& r, int e, T value) {
+  constexpr int B = sizeof(T);
+  const uint64_t bits = to_bits(value);
+  if constexpr (B == 8) {
+    r.w[2 * e] = static_cast<uint32_t>(bits);
+    r.w[2 * e + 1] = static_cast<uint32_t>(bits >> 32);
+  } else {
+    r.w[(e * B) / 4] |= static_cast<uint32_t>(bits) << (8 * ((e * B) % 4));
+  }
+}
 
 template <typename S, typename D>
 MFSDP_HOST_DEVICE inline D convert(S x) {
@@ -127,53 +186,85 @@ MFSDP_HOST_DEVICE inline int64_t vector_head(const S* src, const D* dst) {
   return (d + head * sizeof(D)) % dst_align == 0 ? head : -1;
 }
 
+// The host tolerates misaligned vectors, the device does not: the emulation checks for it.
+MFSDP_HOST_DEVICE inline void check_vector_alignment(const void* p, uint64_t align) {
+#if !defined(__CUDA_ARCH__)
+  if (reinterpret_cast<uint64_t>(p) % align != 0) throw std::logic_error("copy_tile: misaligned vector access");
+#else
+  (void)p;
+  (void)align;
+#endif
+}
+
+// [lo, hi) split at the vector grid that starts at `head` (mod V): the
+// aligned vectors [*first, *first + *count * V) and scalar ends around them.
+template <int V>
+MFSDP_HOST_DEVICE inline void vector_span(int64_t lo, int64_t hi, int64_t head, int64_t* first, int64_t* count) {
+  const int64_t offset = ((head - lo) % V + V) % V;
+  *first = lo + offset < hi ? lo + offset : hi;
+  *count = (hi - *first) / V;
+}
+
+// dst[k] = convert(src[k]) for k in [lo, hi).
+template <typename S, typename D>
+MFSDP_HOST_DEVICE void copy_span(const S* src, D* dst, int64_t lo, int64_t hi, int thread, int threads) {
+  constexpr int V = VecWidth<S, D>::value;
+  const int64_t head = vector_head(src, dst);
+  int64_t first = hi, count = 0;
+  if (head >= 0) vector_span<V>(lo, hi, head, &first, &count);
+  const int64_t last = first + count * V;
+  for (int64_t k = lo + thread; k < first; k += threads) dst[k] = convert<S, D>(src[k]);
+  for (int64_t k = last + thread; k < hi; k += threads) dst[k] = convert<S, D>(src[k]);
+  for (int64_t j = thread; j < count; j += threads) {
+    const int64_t k = first + j * V;
+    check_vector_alignment(src + k, V * sizeof(S));
+    check_vector_alignment(dst + k, V * sizeof(D));
+    const RawWord<V * sizeof(S)> in = *reinterpret_cast<const RawWord<V * sizeof(S)>*>(src + k);
+    if constexpr (std::is_same<S, D>::value) {
+      store_raw(dst + k, in);
+    } else {
+      RawWord<V * sizeof(D)> out = {};
+#pragma unroll
+      for (int e = 0; e < V; ++e) raw_set<D>(out, e, convert<S, D>(raw_get<S>(in, e)));
+      store_raw(dst + k, out);
+    }
+  }
+}
+
+// dst[k] = 0 for k in [lo, hi): chunk_cat's padding, 16 bytes at a time.
+template <typename D>
+MFSDP_HOST_DEVICE void zero_span(D* dst, int64_t lo, int64_t hi, int thread, int threads) {
+  constexpr int V = kVecBytes / static_cast<int>(sizeof(D));
+  const auto d = reinterpret_cast<uint64_t>(dst);
+  int64_t first = hi, count = 0;
+  if (d % sizeof(D) == 0) {
+    vector_span<V>(lo, hi, static_cast<int64_t>(((kVecBytes - d % kVecBytes) % kVecBytes) / sizeof(D)), &first,
+                   &count);
+  }
+  const int64_t last = first + count * V;
+  for (int64_t k = lo + thread; k < first; k += threads) dst[k] = D(0);
+  for (int64_t k = last + thread; k < hi; k += threads) dst[k] = D(0);
+  const RawWord<kVecBytes> zeros = {};  // +0 in every dtype is all zero bits
+  for (int64_t j = thread; j < count; j += threads) {
+    check_vector_alignment(dst + first + j * V, kVecBytes);
+    store_raw(dst + first + j * V, zeros);
+  }
+}
+
 // Thread `thread` of `threads` moves its share of tile `tile` of `seg`.
 template <typename S, typename D>
 MFSDP_HOST_DEVICE void copy_tile(const CopySegment& seg, int64_t tile, int thread, int threads) {
-  constexpr int V = VecWidth<S, D>::value;
   constexpr int64_t T = tile_elems<S, D>();
   const int64_t row = tile / seg.tiles_per_row;
   const S* src = static_cast<const S*>(seg.src) + row * seg.src_row_stride;
   D* dst = static_cast<D*>(seg.dst) + row * seg.dst_row_stride;
-  const int64_t n_copy = seg.n_copy;
-  const int64_t total = n_copy + seg.n_zero;
+  const int64_t total = seg.n_copy + seg.n_zero;
   const int64_t begin = (tile - row * seg.tiles_per_row) * T;
   const int64_t end = begin + T < total ? begin + T : total;
-  auto scalar = [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo + thread; k < hi; k += threads) dst[k] = k < n_copy ? convert<S, D>(src[k]) : D(0);
-  };
-  const int64_t head = vector_head(src, dst);
-  if (head < 0) {
-    scalar(begin, end);
-    return;
-  }
-  // Tiles start at multiples of T (itself a multiple of V), so the aligned
-  // vectors of every tile start `head` elements in.
-  const int64_t vbegin = begin + head < end ? begin + head : end;
-  const int64_t n_vec = (end - vbegin) / V;
-  const int64_t vend = vbegin + n_vec * V;
-  scalar(begin, vbegin);
-  scalar(vend, end);
-  for (int64_t j = thread; j < n_vec; j += threads) {
-    const int64_t k = vbegin + j * V;
-#if !defined(__CUDA_ARCH__)
-    // The host tolerates misaligned vectors, the device does not: the emulation checks for it.
-    if (reinterpret_cast<uintptr_t>(src + k) % alignof(Vec<S, V>) != 0 ||
-        reinterpret_cast<uintptr_t>(dst + k) % alignof(Vec<D, V>) != 0) {
-      throw std::logic_error("copy_tile: misaligned vector access");
-    }
-#endif
-    Vec<D, V> out;
-    if (k + V <= n_copy) {
-      const Vec<S, V> in = *reinterpret_cast<const Vec<S, V>*>(src + k);
-#pragma unroll
-      for (int e = 0; e < V; ++e) out.v[e] = convert<S, D>(in.v[e]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < V; ++e) out.v[e] = k + e < n_copy ? convert<S, D>(src[k + e]) : D(0);
-    }
-    *reinterpret_cast<Vec<D, V>*>(dst + k) = out;
-  }
+  const int64_t copy_end = end < seg.n_copy ? end : seg.n_copy;
+  if (begin < copy_end) copy_span<S, D>(src, dst, begin, copy_end, thread, threads);
+  const int64_t zero_begin = begin > seg.n_copy ? begin : seg.n_copy;
+  if (zero_begin < end) zero_span<D>(dst, zero_begin, end, thread, threads);
 }
 
 template <typename T>

@@ -88,3 +88,49 @@ def test_large_pieces_take_the_aten_path_bitwise():
     ext.chunk_cat(grads, world, out)
     torch._chunk_cat(grads, 0, world, out=expected)
     assert torch.equal(out, expected)
+
+
+def test_lazy_negative_and_conjugate_views_are_resolved():
+    ext = kernels._load_extension()
+    if isinstance(ext, ImportError):
+        pytest.skip(f"extension not built: {ext}")
+    x = torch.arange(1.0, 5.0)
+    out = torch.zeros(4)
+    kernels.pack_into([torch._neg_view(x)], out)
+    assert torch.equal(out, -x)
+    z = torch.randn(4, 2, dtype=torch.complex64)
+    cc_out = torch.zeros(2, 4, dtype=torch.complex64)
+    ext.chunk_cat([z.conj()], 2, cc_out)
+    assert torch.equal(cc_out, z.conj().resolve_conj().reshape(2, 4))
+    with pytest.raises(RuntimeError, match="conjugate or negative view"):
+        kernels.pack_into([x], torch._neg_view(out))
+
+
+def test_complex_parameters_and_inference_mode():
+    # FSDP2 gathers complex parameters too; and ATen copies inside the parallel
+    # pass run with the caller's inference mode.
+    with torch.inference_mode():
+        z = [torch.randn(3, 2, dtype=torch.complex64), torch.randn(5, dtype=torch.complex64)]
+        strided = torch.randn(6, 4).t()
+        out = torch.zeros(11, dtype=torch.complex64)
+        kernels.pack_into(z, out)
+        assert torch.equal(out, torch.cat([t.reshape(-1) for t in z]))
+        flat = torch.zeros(24)
+        kernels.pack_into([strided], flat)
+        assert torch.equal(flat, strided.reshape(-1))
+
+
+def test_fsdp_op_checks_its_split_sizes_and_outputs():
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (defines fsdp::)
+    from megatron_fsdp.kernels import fsdp_copy_ops
+
+    assert fsdp_copy_ops.enable_fsdp_copy_kernels()
+    out = torch.zeros(20)
+    with pytest.raises(RuntimeError, match="split sizes add up to 5 but all_gather_input_numel is 6"):
+        torch.ops.fsdp.all_gather_copy_in([torch.ones(2), torch.ones(3)], out, [2, 3], 6, 0)
+    with pytest.raises(RuntimeError, match="input 1 has 3 elements but its split size is 4"):
+        torch.ops.fsdp.all_gather_copy_in([torch.ones(2), torch.ones(3)], out, [2, 4], 6, 0)
+    assert torch.count_nonzero(out) == 0
+    overlapping = torch.zeros(3).expand(2, 3)  # both rows are the same memory
+    with pytest.raises(RuntimeError, match="single memory location"):
+        torch.ops.fsdp.split_with_sizes_copy(torch.ones(2, 3), [3], dim=1, out=[overlapping])
