@@ -101,6 +101,8 @@ void fsdp_chunk_cat(at::TensorList tensors, int64_t dim, int64_t num_chunks, con
 
 // Registering over torch's kernels makes the dispatcher warn about the
 // override; that override is the point, so only that warning is dropped.
+// (torch warns about overrides once per process, so a later override by
+// other code goes unreported: the price of not warning every user here.)
 class DropOverrideWarning : public c10::WarningHandler {
  public:
   explicit DropOverrideWarning(c10::WarningHandler* next) : next_(next) {}

@@ -391,3 +391,56 @@ def test_ddp_config_rejects_unsupported_fields(kwargs, match):
         TorchFullyShardedDataParallelConfig(**kwargs)
     with pytest.raises(ValueError, match="reshard_after_forward must be True, False or an int >= 2, got 1"):
         TorchFullyShardedDataParallelConfig(reshard_after_forward=1)
+
+
+class _CountCollectives:
+    """Counts FSDP2's all-gathers (with their group sizes) and reduce-scatters."""
+
+    gathers = ("all_gather_single", "all_gather_into_tensor")
+    scatters = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __enter__(self):
+        self.all_gathers, self.reduce_scatters = [], 0
+        self.saved = {n: getattr(dist, n) for n in self.gathers + self.scatters if hasattr(dist, n)}
+        for name, fn in self.saved.items():
+            gather = name in self.gathers
+
+            def counting(*args, _fn=fn, _gather=gather, **kwargs):
+                if _gather:
+                    self.all_gathers.append(dist.get_world_size(kwargs.get("group")))
+                else:
+                    self.reduce_scatters += 1
+                return _fn(*args, **kwargs)
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _case_collectives_per_step(layout):
+    _, tp, ps_kwargs, ddp_kwargs, wrapper_kwargs = LAYOUTS[layout]
+    *_, wrapped = _build(tp, "plain", ps_kwargs, ddp_kwargs, wrapper_kwargs)
+    ids = torch.randint(0, 64, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
+    with _CountCollectives() as forward:
+        loss = wrapped(ids, torch.arange(SEQ).expand(MICRO, SEQ), None, labels=ids).mean()
+    with _CountCollectives() as backward:
+        loss.backward()
+        wrapped.finish_grad_sync()
+    return len(wrapped.fsdp_units) + 1, forward.all_gathers, backward.all_gathers, backward.reduce_scatters
+
+
+def test_collectives_per_step_follow_the_resharding_mode(pools):
+    units, fwd, bwd, rs = pools(4).run(_case_collectives_per_step, "dp4_zero3")[0]
+    # ZeRO-3: every unit gathers in forward, re-gathers in backward (the root
+    # stays gathered), and reduce-scatters its gradients once.
+    assert (len(fwd), len(bwd), rs) == (units, units - 1, units) and set(fwd + bwd) == {4}
+    _, fwd2, bwd2, rs2 = pools(4).run(_case_collectives_per_step, "dp4_zero2")[0]
+    assert (len(fwd2), len(bwd2), rs2) == (units, 0, units)  # ZeRO-2: nothing re-gathered
+    _, fwd_int, bwd_int, rs_int = pools(4).run(_case_collectives_per_step, "dp4_reshard_to_2")[0]
+    # Resharded to groups of 2 after forward (the root too): backward gathers
+    # within those groups only.
+    assert len(bwd_int) == units and set(bwd_int) == {2} and set(fwd_int) == {4} and rs_int == units
+    _, fwd1, bwd1, rs1 = pools(4).run(_case_collectives_per_step, "dp4_one_unit")[0]
+    assert (len(fwd1), len(bwd1), rs1) == (1, 0, 1)  # disable_bucketing: one of each per step
