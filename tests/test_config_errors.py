@@ -97,3 +97,30 @@ def test_layer_specs_name_the_layer():
     assert get_gpt_layer_local_spec().module is TransformerLayer
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
         get_gpt_layer_local_spec(num_experts=4)
+
+
+def _case_megatron_forward_arguments():
+    setup_parallel(tp=1)
+    model = GPTModel(make_config(), vocab_size=64, max_sequence_length=8)
+    block, layer = model.decoder, model.decoder.layers[0]
+    h = torch.randn(8, 2, 32)
+    # Megatron's keyword names, with None, run as they do there.
+    out = block(h, None, context=None, context_mask=None, rotary_pos_emb=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, inference_params=None)
+    assert out.shape == h.shape
+    hidden, context = layer(h, None, context=None, rotary_pos_emb=None, packed_seq_params=None)
+    assert hidden.shape == h.shape and context is None
+    # A value for a feature megatron_fsdp lacks raises instead of being ignored.
+    with pytest.raises(NotImplementedError, match="TransformerBlock.forward: packed_seq_params is not supported"):
+        block(h, None, packed_seq_params=object())
+    with pytest.raises(NotImplementedError, match="TransformerLayer.forward: context is not supported"):
+        layer(h, None, h)  # Megatron's third positional argument is the cross-attention context
+    with pytest.raises(NotImplementedError, match="SelfAttention.forward: rotary_pos_cos is not supported"):
+        layer.self_attention(h, None, rotary_pos_cos=h)
+    with pytest.raises(NotImplementedError, match="DotProductAttention.forward: attention_bias is not supported"):
+        q = torch.randn(8, 2, 4, 8)
+        layer.self_attention.core_attention(q, q, q, None, attention_bias=q)
+
+
+def test_megatron_forward_arguments_for_missing_features_raise(pools):
+    pools(2).run(_case_megatron_forward_arguments)

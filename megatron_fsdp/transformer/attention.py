@@ -19,6 +19,7 @@ from ..tensor_parallel import random as tp_random
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from .enums import AttnMaskType
 from .norms import build_norm
+from .utils import reject_unsupported_inputs
 
 
 class DotProductAttention(nn.Module):
@@ -43,8 +44,11 @@ class DotProductAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None,
-                attn_mask_type: Optional[AttnMaskType] = None, **unused) -> torch.Tensor:
+                attn_mask_type: Optional[AttnMaskType] = None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
         """q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]."""
+        reject_unsupported_inputs("DotProductAttention.forward", attention_bias=attention_bias,
+                                  packed_seq_params=packed_seq_params)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         seq = q.size(2)
@@ -113,8 +117,17 @@ class SelfAttention(nn.Module):
         return query, key.squeeze(3), value.squeeze(3)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None, **unused):
-        """[s, b, h] -> (output [s, b, h], bias of the output projection or None)."""
+                key_value_states=None, inference_context=None, rotary_pos_emb: Optional[torch.Tensor] = None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None):
+        """[s, b, h] -> (output [s, b, h], bias of the output projection or None).
+        Megatron-Core's signature; the arguments of features megatron_fsdp
+        lacks must be None."""
+        reject_unsupported_inputs(
+            "SelfAttention.forward", key_value_states=key_value_states, inference_context=inference_context,
+            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+            inference_params=inference_params)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)

@@ -11,6 +11,7 @@ from torch import nn
 from ..tensor_parallel import random as tp_random
 from .norms import build_norm
 from .transformer_layer import TransformerLayer
+from .utils import reject_unsupported_inputs
 
 
 class TransformerBlock(nn.Module):
@@ -27,7 +28,7 @@ class TransformerBlock(nn.Module):
     def _run_layers(self, start: int, end: int):
         def run(hidden_states, attention_mask, rotary_pos_emb):
             for layer in self.layers[start:end]:
-                hidden_states, _ = layer(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states, _ = layer(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb)
             return hidden_states
 
         return run
@@ -52,7 +53,16 @@ class TransformerBlock(nn.Module):
         return hidden_states
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None, **unused) -> torch.Tensor:
+                context=None, context_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None) -> torch.Tensor:
+        """Megatron-Core's signature; the arguments of features megatron_fsdp
+        lacks must be None."""
+        reject_unsupported_inputs(
+            "TransformerBlock.forward", context=context, context_mask=context_mask, rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, inference_context=inference_context,
+            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+            inference_params=inference_params)
         # Under sequence parallelism every activation is split across TP ranks,
         # so all dropout in the block draws from the TP-distinct stream.
         rng = tp_random.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()

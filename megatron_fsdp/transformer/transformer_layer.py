@@ -12,6 +12,7 @@ from .attention import SelfAttention
 from .enums import AttnMaskType
 from .mlp import MLP
 from .norms import build_norm
+from .utils import reject_unsupported_inputs
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
@@ -42,9 +43,18 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb: Optional[torch.Tensor] = None, **unused):
+                context=None, context_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
+                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
+        """[s, b, h] -> (output [s, b, h], context): Megatron-Core's signature;
+        the arguments of features megatron_fsdp lacks must be None."""
+        reject_unsupported_inputs(
+            "TransformerLayer.forward", context=context, context_mask=context_mask, rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, inference_context=inference_context,
+            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+            inference_params=inference_params)
         attention_output, attention_bias = self.self_attention(
-            self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb)
+            self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb=rotary_pos_emb)
         hidden_states = bias_dropout_add(attention_output, attention_bias, hidden_states,
                                          self.hidden_dropout, self.training)
         mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))

@@ -24,3 +24,15 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
         return torch.nn.init.normal_(tensor, mean=0.0, std=std)
 
     return init_
+
+
+def reject_unsupported_inputs(where: str, **inputs) -> None:
+    """Megatron-Core's forward arguments for features megatron_fsdp lacks
+    (packed sequences, cross-attention, inference caches, ...) are accepted
+    by name, as Megatron code passes them, but a value other than None
+    raises instead of being ignored."""
+    for name, value in inputs.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"{where}: {name} is not supported by megatron_fsdp (got {type(value).__name__}; "
+                f"only None is allowed)")

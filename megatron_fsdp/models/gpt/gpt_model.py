@@ -141,7 +141,7 @@ class GPTModel(nn.Module):
             seq_len = decoder_input.size(0) * (
                 parallel_state.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
             rotary_pos_emb = self.rotary_pos_emb(seq_len)
-        hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb,
+        hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
                                      **(extra_block_kwargs or {}))
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if labels is None:
