@@ -16,6 +16,8 @@ Flattened views: ``dp`` (= dp_replicate x dp_shard), ``dp_cp``, and
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
 from typing import Optional
 
 import torch
@@ -37,6 +39,9 @@ class _ParallelState:
     data_parallel_size: int
     num_distributed_optimizer_instances: int
     order: str
+    # gloo groups over the same ranks as "dp" and "dp_cp" (Megatron's
+    # *_gloo groups, for CPU-side work); None unless asked for.
+    gloo_groups: Optional[dict[str, dist.ProcessGroup]] = None
 
 
 _STATE: Optional[_ParallelState] = None
@@ -49,6 +54,7 @@ _STATE: Optional[_ParallelState] = None
 # process group lives (torch frees them with it).
 _MESH_CACHE: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh]]] = {}
 _MESH_CACHE_OWNER: Optional[dist.ProcessGroup] = None  # the default group the cache belongs to
+_GLOO_CACHE: dict[tuple, dict[str, dist.ProcessGroup]] = {}  # gloo groups by layout, same owner
 
 
 class ModelParallelNotInitializedError(RuntimeError):
@@ -132,6 +138,11 @@ def initialize_model_parallel(
             "model parallel state is already initialized; call destroy_model_parallel() "
             "before initializing it again"
         )
+    if isinstance(distributed_timeout_minutes, bool) or not isinstance(distributed_timeout_minutes, (int, float)) \
+            or distributed_timeout_minutes <= 0:
+        raise ValueError(f"distributed_timeout_minutes must be a positive number, got {distributed_timeout_minutes!r}")
+    if not isinstance(create_gloo_process_groups, bool):
+        raise ValueError(f"create_gloo_process_groups must be True or False, got {create_gloo_process_groups!r}")
     for name, value in (
         ("tensor_model_parallel_size", tensor_model_parallel_size),
         ("pipeline_model_parallel_size", pipeline_model_parallel_size),
@@ -204,6 +215,14 @@ def initialize_model_parallel(
             mesh_names.append(name)
             mesh_shape.append(sizes[name])
     mesh, dim_meshes = _build_meshes(device_type, tuple(mesh_shape), tuple(mesh_names))
+    timeout = datetime.timedelta(minutes=distributed_timeout_minutes)
+    groups = {id(m.get_group()): m.get_group() for m in dim_meshes.values()}
+    gloo_groups = _build_gloo_groups(mesh, dim_meshes, tuple(mesh_names)) if create_gloo_process_groups else None
+    groups.update({id(g): g for g in (gloo_groups or {}).values()})
+    for group in groups.values():
+        # Megatron creates its groups with this timeout; ours may come from the
+        # layout cache, so it is set (again) on every initialization.
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
     _STATE = _ParallelState(
         mesh=mesh,
         dim_meshes=dim_meshes,
@@ -213,6 +232,7 @@ def initialize_model_parallel(
         data_parallel_size=data_parallel_size,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
         order=order,
+        gloo_groups=gloo_groups,
     )
 
 
@@ -222,6 +242,7 @@ def _build_meshes(device_type: str, shape: tuple[int, ...],
     default_group = dist.distributed_c10d._get_default_group()
     if _MESH_CACHE_OWNER is not default_group:
         _MESH_CACHE.clear()  # meshes of an earlier, destroyed default group
+        _GLOO_CACHE.clear()
         _MESH_CACHE_OWNER = default_group
     key = (device_type, shape, names)
     if key in _MESH_CACHE:
@@ -238,6 +259,33 @@ def _build_meshes(device_type: str, shape: tuple[int, ...],
     dim_meshes["dp_shard_cp"] = submesh("dp_shard", "cp")._flatten("dp_shard_cp")
     _MESH_CACHE[key] = (mesh, dim_meshes)
     return mesh, dim_meshes
+
+
+def _group_ranks(mesh_ranks: torch.Tensor, names: tuple[str, ...], dims: tuple[str, ...]) -> list[list[int]]:
+    """The ranks of every group spanning `dims` of a mesh: its rank tensor
+    with those dims moved last (in mesh order, as flattening orders them)."""
+    inner = sorted(dims, key=names.index)
+    outer = [n for n in names if n not in inner]
+    ranks = mesh_ranks.permute([names.index(n) for n in outer + inner])
+    return ranks.reshape(-1, math.prod(mesh_ranks.shape[names.index(n)] for n in inner)).tolist()
+
+
+def _build_gloo_groups(mesh: DeviceMesh, dim_meshes: dict[str, DeviceMesh],
+                       names: tuple[str, ...]) -> dict[str, dist.ProcessGroup]:
+    """gloo groups over each data-parallel group's ranks (with and without
+    cp), created by every rank for every group in the same order."""
+    key = (tuple(mesh.mesh.shape), names)
+    if key in _GLOO_CACHE:
+        return _GLOO_CACHE[key]
+    groups = {}
+    for flat, dims in (("dp", ("dp_replicate", "dp_shard")), ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+        if dist.get_backend(dim_meshes[flat].get_group()) == "gloo":
+            groups[flat] = dim_meshes[flat].get_group()  # already a gloo group over these ranks
+            continue
+        group, _ = dist.new_subgroups_by_enumeration(_group_ranks(mesh.mesh, names, dims), backend="gloo")
+        groups[flat] = group
+    _GLOO_CACHE[key] = groups
+    return groups
 
 
 def model_parallel_is_initialized() -> bool:
@@ -293,6 +341,15 @@ def get_device() -> torch.device:
 
 def get_tensor_model_parallel_mesh() -> DeviceMesh:
     return _state().dim_meshes["tp"]
+
+
+def get_data_parallel_group_gloo(with_context_parallel: bool = False) -> dist.ProcessGroup:
+    """A gloo group over this rank's data-parallel ranks (Megatron's name)."""
+    groups = _state().gloo_groups
+    if groups is None:
+        raise RuntimeError("the data-parallel gloo groups were not created: initialize_model_parallel("
+                           "create_gloo_process_groups=True) creates them")
+    return groups["dp_cp" if with_context_parallel else "dp"]
 
 
 def get_data_parallel_mesh(with_context_parallel: bool = False) -> DeviceMesh:

@@ -7,6 +7,8 @@ The expected groups below are computed from that formula alone, independently
 of the library's DeviceMesh construction.
 """
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -309,6 +311,10 @@ INIT_ERRORS = {
                                  ["num_distributed_optimizer_instances must be a positive integer, got 0"]),
     "encoder_tp": (dict(encoder_tensor_model_parallel_size=2), "NotImplementedError",
                    ["encoder_tensor_model_parallel_size=2"]),
+    "timeout_zero": (dict(distributed_timeout_minutes=0), "ValueError",
+                     ["distributed_timeout_minutes must be a positive number, got 0"]),
+    "gloo_flag_not_bool": (dict(create_gloo_process_groups="yes"), "ValueError",
+                           ["create_gloo_process_groups must be True or False, got 'yes'"]),
 }
 
 
@@ -363,3 +369,36 @@ def test_getter_before_initialize_raises(pools, name, kwargs):
         assert e.type_name == "ModelParallelNotInitializedError", e.traceback
         assert "initialize_model_parallel()" in e.message
     assert issubclass(ps.ModelParallelNotInitializedError, RuntimeError)
+
+
+def _group_timeout(group) -> datetime.timedelta:
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def _case_timeout_and_gloo_groups(tp: int, cp: int) -> None:
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 distributed_timeout_minutes=7)
+    for group in (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+                  ps.get_data_parallel_group_gloo(), ps.get_data_parallel_group_gloo(with_context_parallel=True)):
+        assert _group_timeout(group) == datetime.timedelta(minutes=7)
+    for cp_too in (False, True):
+        gloo = ps.get_data_parallel_group_gloo(with_context_parallel=cp_too)
+        assert dist.get_backend(gloo) == "gloo"
+        assert (dist.get_process_group_ranks(gloo)
+                == dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=cp_too)))
+        # The enumeration that creates them on NCCL runs (under gloo the DP groups are reused):
+        # this rank's group is one of its rows, and the rows partition the world.
+        rows = ps._group_ranks(ps.get_device_mesh().mesh, ps.get_device_mesh().mesh_dim_names,
+                               ("dp_replicate", "dp_shard", "cp") if cp_too else ("dp_replicate", "dp_shard"))
+        assert dist.get_process_group_ranks(gloo) in rows
+        assert sorted(r for row in rows for r in row) == list(range(WORLD))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 create_gloo_process_groups=False)
+    with pytest.raises(RuntimeError, match="create_gloo_process_groups=True"):
+        ps.get_data_parallel_group_gloo()
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2)])
+def test_timeout_and_gloo_groups(pools, tp, cp):
+    pools(WORLD).run(_case_timeout_and_gloo_groups, tp, cp)
