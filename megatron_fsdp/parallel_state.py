@@ -292,6 +292,11 @@ def model_parallel_is_initialized() -> bool:
     return _STATE is not None
 
 
+def is_initialized() -> bool:
+    """Megatron's name for code that runs with or without model parallelism."""
+    return _STATE is not None
+
+
 def _state() -> _ParallelState:
     if _STATE is None:
         raise ModelParallelNotInitializedError(

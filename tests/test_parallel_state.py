@@ -60,9 +60,9 @@ def _case_layout(tp: int, cp: int, n_inst: int, order: str) -> dict:
         kwargs["order"] = order
     else:
         order = "tp-cp-ep-dp-pp"
-    assert not ps.model_parallel_is_initialized()
+    assert not ps.model_parallel_is_initialized() and not ps.is_initialized()
     ps.initialize_model_parallel(**kwargs)
-    assert ps.model_parallel_is_initialized()
+    assert ps.model_parallel_is_initialized() and ps.is_initialized()
 
     rank = dist.get_rank()
     dp = WORLD // (tp * cp)
