@@ -142,10 +142,11 @@ def test_bf16_training_matches_within_bf16_precision(pools):
 def _case_reduce_dtype(grad_reduce_in_fp32):
     *_, wrapped = _build(1, "plain", {}, dict(grad_reduce_in_fp32=grad_reduce_in_fp32), {}, bf16=True)
     ids = torch.randint(0, 64, (MICRO, SEQ), generator=torch.Generator().manual_seed(2))
-    with _CountReduceScatters() as seen:
+    with _CountCollectives() as seen:
         wrapped(ids, torch.arange(SEQ).expand(MICRO, SEQ), None, labels=ids).float().mean().backward()
     expected = torch.float32 if grad_reduce_in_fp32 else torch.bfloat16
-    assert seen.count > 0 and seen.dtypes == {expected}, f"reduce-scatter dtypes {seen.dtypes}, expected {expected}"
+    assert seen.reduce_scatters > 0 and seen.reduce_dtypes == {expected}, (
+        f"reduce-scatter dtypes {seen.reduce_dtypes}, expected {expected}")
     assert all(p.grad.dtype == torch.float32 for p in wrapped.parameters()), "sharded gradients must be fp32"
 
 
@@ -202,19 +203,25 @@ def test_parameters_are_2d_dp_tp_dtensors(pools):
     pools(4).run(_case_parameters_are_2d_dtensors)
 
 
-class _CountReduceScatters:
-    """Counts reduce-scatter calls (FSDP2's only collective in backward at TP=1)."""
+class _CountCollectives:
+    """Counts FSDP2's all-gathers (with their group sizes) and reduce-scatters
+    (with their input dtypes)."""
 
-    names = ("reduce_scatter_single", "reduce_scatter_tensor")
+    gathers = ("all_gather_single", "all_gather_into_tensor")
+    scatters = ("reduce_scatter_single", "reduce_scatter_tensor")
 
     def __enter__(self):
-        self.count = 0
-        self.dtypes = set()
-        self.saved = {n: getattr(dist, n) for n in self.names if hasattr(dist, n)}
+        self.all_gathers, self.reduce_scatters, self.reduce_dtypes = [], 0, set()
+        self.saved = {n: getattr(dist, n) for n in self.gathers + self.scatters if hasattr(dist, n)}
         for name, fn in self.saved.items():
-            def counting(output, input, *args, _fn=fn, **kwargs):
-                self.count += 1
-                self.dtypes.add(input.dtype)
+            gather = name in self.gathers
+
+            def counting(output, input, *args, _fn=fn, _gather=gather, **kwargs):
+                if _gather:
+                    self.all_gathers.append(dist.get_world_size(kwargs.get("group")))
+                else:
+                    self.reduce_scatters += 1
+                    self.reduce_dtypes.add(input.dtype)
                 return _fn(output, input, *args, **kwargs)
             setattr(dist, name, counting)
         return self
@@ -232,22 +239,23 @@ def _case_gradient_accumulation(microbatches):
     labels = torch.randint(0, 64, (microbatches * MICRO, SEQ), generator=g)
     positions = torch.arange(SEQ).expand(MICRO, SEQ)
 
-    with _CountReduceScatters() as big:
+    with _CountCollectives() as big:
         wrapped(ids, torch.arange(SEQ).expand(len(ids), SEQ), None, labels=labels).mean().backward()
     wrapped.finish_grad_sync()
     expected = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
     wrapped.zero_grad_buffer()
 
-    with _CountReduceScatters() as accumulated:
+    with _CountCollectives() as accumulated:
         for i in range(microbatches):
             last = i == microbatches - 1
             with contextlib.nullcontext() if last else wrapped.no_sync():
                 rows = slice(i * MICRO, (i + 1) * MICRO)
                 (wrapped(ids[rows], positions, None, labels=labels[rows]).mean() / microbatches).backward()
     wrapped.finish_grad_sync()
-    assert big.count == units, f"one reduce-scatter per FSDP unit expected, saw {big.count} for {units} units"
-    assert accumulated.count == units, (
-        f"no_sync must skip all reduce-scatters but the last microbatch's: saw {accumulated.count}")
+    assert big.reduce_scatters == units, (
+        f"one reduce-scatter per FSDP unit expected, saw {big.reduce_scatters} for {units} units")
+    assert accumulated.reduce_scatters == units, (
+        f"no_sync must skip all reduce-scatters but the last microbatch's: saw {accumulated.reduce_scatters}")
     got = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
     assert_close_dicts(got, expected, "accumulated gradient")
 
@@ -391,32 +399,6 @@ def test_ddp_config_rejects_unsupported_fields(kwargs, match):
         TorchFullyShardedDataParallelConfig(**kwargs)
     with pytest.raises(ValueError, match="reshard_after_forward must be True, False or an int >= 2, got 1"):
         TorchFullyShardedDataParallelConfig(reshard_after_forward=1)
-
-
-class _CountCollectives:
-    """Counts FSDP2's all-gathers (with their group sizes) and reduce-scatters."""
-
-    gathers = ("all_gather_single", "all_gather_into_tensor")
-    scatters = ("reduce_scatter_single", "reduce_scatter_tensor")
-
-    def __enter__(self):
-        self.all_gathers, self.reduce_scatters = [], 0
-        self.saved = {n: getattr(dist, n) for n in self.gathers + self.scatters if hasattr(dist, n)}
-        for name, fn in self.saved.items():
-            gather = name in self.gathers
-
-            def counting(*args, _fn=fn, _gather=gather, **kwargs):
-                if _gather:
-                    self.all_gathers.append(dist.get_world_size(kwargs.get("group")))
-                else:
-                    self.reduce_scatters += 1
-                return _fn(*args, **kwargs)
-            setattr(dist, name, counting)
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(dist, name, fn)
 
 
 def _case_collectives_per_step(layout):
