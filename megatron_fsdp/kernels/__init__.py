@@ -58,7 +58,7 @@ def pack_into(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     (casting to out's dtype). Raises before writing anything if `out` is too
     small or on another device."""
     ext = _load_extension()
-    if out.device.type == "cpu" and extension_available() or out.device.type == "cuda" and extension_has_cuda():
+    if (out.device.type == "cpu" and extension_available()) or (out.device.type == "cuda" and extension_has_cuda()):
         ext.pack_into(list(inputs), out)  # direct call: no per-tensor boxing
     else:
         _pack_into_reference(inputs, out)

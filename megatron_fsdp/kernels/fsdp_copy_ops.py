@@ -6,9 +6,9 @@ each reduce-scatter (`fsdp::chunk_cat`). `enable_fsdp_copy_kernels()`
 registers our C++ implementations (csrc/bindings.cpp) for those ops on CPU,
 and on CUDA when the extension was built with it, after checking that the
 running torch declares exactly the schemas we implement; with any other
-torch it warns once and leaves torch's path alone. The registration is process-wide, as the op
-registry is; `disable_fsdp_copy_kernels()` removes it and torch's kernels
-serve again. Results are bitwise those of torch's ops, except the payload of
+torch it warns once and leaves torch's path alone. The registration is
+process-wide, as the op registry is; `disable_fsdp_copy_kernels()` removes it
+and torch's kernels serve again. Results are bitwise those of torch's ops, except the payload of
 NaNs cast to bf16 on CPU (still NaN; see README).
 
 Under mixed precision the cast of each fp32 shard to the all-gather dtype is
