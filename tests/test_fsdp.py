@@ -197,6 +197,16 @@ def _case_parameters_are_2d_dtensors():
     assert norm.device_mesh.mesh_dim_names == ("dp_cp",)
     # Optimizer state and gradients are sharded like the parameters: 1/DP of a TP shard.
     assert fc1.to_local().numel() == fc1.numel() // 4
+    # Megatron's per-parameter TP attributes survive sharding (and meta materialization).
+    for meta in (False, True):
+        if meta:
+            parallel_state.destroy_model_parallel()
+            *_, wrapped = _build(2, "plain", {}, {}, {}, meta=True)
+        layer = wrapped.module.decoder.layers[0]
+        assert (layer.mlp.linear_fc1.weight.tensor_model_parallel, layer.mlp.linear_fc1.weight.partition_dim) == (True, 0)
+        assert layer.self_attention.linear_proj.weight.partition_dim == 1
+        assert layer.self_attention.linear_proj.bias.tensor_model_parallel is False
+        assert not hasattr(layer.input_layernorm.weight, "tensor_model_parallel")
 
 
 def test_parameters_are_2d_dp_tp_dtensors(pools):

@@ -590,3 +590,4 @@ def _case_unsupported_options() -> None:
 
 def test_unsupported_constructor_options_raise(pools):
     pools(WORLD).run(_case_unsupported_options)
+

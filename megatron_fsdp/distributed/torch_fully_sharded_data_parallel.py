@@ -25,6 +25,7 @@ from ..kernels.fsdp_copy_ops import disable_fsdp_copy_kernels, enable_fsdp_copy_
 from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from ..tensor_parallel.layers import ColumnParallelLinear
+from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
 from ..transformer.transformer_layer import TransformerLayer
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
@@ -95,6 +96,9 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         else:
             disable_fsdp_copy_kernels()
         on_meta = any(p.device.type == "meta" for p in module.parameters())
+        # fully_shard and to_empty make new Parameter objects: Megatron's
+        # per-parameter attributes (tensor_model_parallel, ...) are carried over.
+        originals = dict(module.named_parameters())
         for unit in self.fsdp_units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
         # The root's parameters are needed again as soon as backward starts.
@@ -119,6 +123,8 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
             module.to_empty(device=parallel_state.get_device() if process_group is None
                             else torch.device(_mesh_device_type(process_group)))
             initialize_parameters(module)
+        for name, param in module.named_parameters():
+            copy_tensor_model_parallel_attributes(param, originals[name])
         self._in_no_sync = False
         self._unsynced_backward = False
 

@@ -18,14 +18,25 @@ from .random import (
     get_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
-from .utils import divide, local_tensor
+from .data import broadcast_data
+from .utils import (
+    copy_tensor_model_parallel_attributes,
+    divide,
+    local_tensor,
+    param_is_not_tensor_parallel_duplicate,
+    set_defaults_if_not_set_tensor_model_parallel_attributes,
+    set_tensor_model_parallel_attributes,
+    split_tensor_along_last_dim,
+)
 
 __all__ = [
     "ColumnParallelLinear",
     "CudaRNGStatesTracker",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "broadcast_data",
     "checkpoint",
+    "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "divide",
     "gather_from_sequence_parallel_region",
@@ -33,9 +44,13 @@ __all__ = [
     "get_cuda_rng_tracker",
     "local_tensor",
     "model_parallel_cuda_manual_seed",
+    "param_is_not_tensor_parallel_duplicate",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "set_tensor_model_parallel_attributes",
+    "split_tensor_along_last_dim",
     "vocab_parallel_cross_entropy",
 ]

@@ -52,6 +52,45 @@ def record_init(module: torch.nn.Module, name: str, init_method: Optional[Callab
     module._megatron_param_init[name] = (init_method, config)
 
 
+# Megatron's per-parameter record of how tensor parallelism splits it.
+_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    for attribute in _TP_ATTRIBUTE_DEFAULTS:
+        if hasattr(tensor, attribute):
+            raise ValueError(f"{attribute} is already set on this tensor ({getattr(tensor, attribute)!r})")
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    for attribute, default in _TP_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, default)
+
+
+def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, source_tensor: torch.Tensor) -> None:
+    for attribute in _TP_ATTRIBUTE_DEFAULTS:
+        if hasattr(source_tensor, attribute):
+            setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    """True where this rank's copy of `param` counts once across TP: a TP-split
+    parameter on every rank, a replicated one on TP rank 0 only."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or \
+        parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
+                                contiguous_split_chunks: bool = False) -> list[torch.Tensor]:
+    last = tensor.dim() - 1
+    chunks = torch.split(tensor, divide(tensor.size(last), num_partitions), dim=last)
+    return [c.contiguous() for c in chunks] if contiguous_split_chunks else list(chunks)
+
+
 def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> torch.nn.Parameter:
     """A parameter holding this rank's part of `full` as a DTensor on the TP mesh:
     Shard(shard_dim), or Replicate() when `shard_dim` is None.
@@ -78,7 +117,10 @@ def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> t
     local = local.to(device=device, dtype=config.params_dtype, copy=True,
                      memory_format=torch.contiguous_format)
     if tp_size == 1:
-        return torch.nn.Parameter(local)
-    dtensor = DTensor.from_local(local, mesh, [placement], run_check=False,
-                                 shape=full.shape, stride=full.stride())
-    return torch.nn.Parameter(dtensor)
+        param = torch.nn.Parameter(local)
+    else:
+        param = torch.nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False,
+                                                      shape=full.shape, stride=full.stride()))
+    # Megatron marks a split weight as TP-parallel at every TP size (TP=1 included).
+    set_tensor_model_parallel_attributes(param, shard_dim is not None, -1 if shard_dim is None else shard_dim, 1)
+    return param
