@@ -9,29 +9,38 @@ Mesh dimensions, slowest-varying first, follow the reversed `order` string
 (Megatron's rank layout: the first name in `order` varies fastest). The
 data-parallel dimension is split into ``dp_replicate`` (one entry per
 distributed-optimizer instance) and ``dp_shard`` so HSDP can use it as 2D.
-Flattened views: ``dp`` (= dp_replicate x dp_shard), ``dp_cp``, and
-``dp_shard_cp`` (the ranks of one distributed-optimizer instance).
+Flattened views: ``dp`` (= dp_replicate x dp_shard), ``dp_cp``,
+``dp_shard_cp`` (the ranks of one distributed-optimizer instance), ``tp_cp``,
+``tp_dp`` and ``tp_dp_cp``. Pipeline parallelism is not supported: ``pp`` is
+a size-1 dim, so the pipeline, embedding and position-embedding groups are
+each rank alone, as Megatron's are with one stage.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-_SUPPORTED_ORDER_DIMS = ("tp", "cp", "ep", "dp", "pp")
+from ._process_groups import (
+    backend_device_type as _backend_device_type,
+    build_gloo_groups as _build_gloo_groups,
+    build_meshes as _build_meshes,
+    check_initialize_arguments as _check_initialize_arguments,
+    parse_order as _parse_order,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _ParallelState:
     mesh: DeviceMesh
-    # 1D meshes by name: the root's dims and the flattened views. Flattened
-    # views are kept here because slicing them from the root is deprecated.
+    # 1D meshes by name: the root's dims and the flattened views
+    # (_process_groups.FLATTENED_DIMS). Flattened views are kept here because
+    # slicing them from the root is deprecated.
     dim_meshes: dict[str, DeviceMesh]
     device_type: str
     tensor_model_parallel_size: int
@@ -39,65 +48,16 @@ class _ParallelState:
     data_parallel_size: int
     num_distributed_optimizer_instances: int
     order: str
-    # gloo groups over the same ranks as "dp" and "dp_cp" (Megatron's
-    # *_gloo groups, for CPU-side work); None unless asked for.
+    # gloo groups over the same ranks as "dp", "dp_cp" and "dp_shard_cp"
+    # (Megatron's *_gloo groups, for CPU-side work); None unless asked for.
     gloo_groups: Optional[dict[str, dist.ProcessGroup]] = None
 
 
 _STATE: Optional[_ParallelState] = None
 
-# DeviceMeshes built so far, by (device type, shape, names).
-# DTensor caches sharding decisions keyed by mesh *equality*, so a DTensor op
-# after a re-initialization can be handed an earlier, equal mesh: its process
-# groups must still be alive. Re-initializing with a layout seen before
-# therefore reuses its mesh, and groups are never destroyed while the default
-# process group lives (torch frees them with it).
-_MESH_CACHE: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh]]] = {}
-_MESH_CACHE_OWNER: Optional[dist.ProcessGroup] = None  # the default group the cache belongs to
-_GLOO_CACHE: dict[tuple, dict[str, dist.ProcessGroup]] = {}  # gloo groups by layout, same owner
-
 
 class ModelParallelNotInitializedError(RuntimeError):
     pass
-
-
-def _backend_device_type(backend: str) -> str:
-    # gloo moves CPU tensors, NCCL CUDA tensors; the mesh must match or every
-    # DTensor collective fails far from here.
-    backend = backend.lower()
-    if backend == "gloo":
-        return "cpu"
-    if backend in ("nccl", "cuda:nccl"):
-        return "cuda"
-    if "nccl" in backend:  # e.g. "cpu:gloo,cuda:nccl"
-        return "cuda"
-    raise ValueError(
-        f"unsupported torch.distributed backend {backend!r}: megatron_fsdp supports "
-        "'gloo' (CPU tensors) and 'nccl' (CUDA tensors)"
-    )
-
-
-def _parse_order(order: str, sizes: dict[str, int]) -> list[str]:
-    if not isinstance(order, str):
-        raise TypeError(f"order must be a string like 'tp-cp-ep-dp-pp', got {order!r}")
-    names = order.lower().split("-")
-    unknown = [n for n in names if n not in _SUPPORTED_ORDER_DIMS]
-    if unknown or len(set(names)) != len(names):
-        raise ValueError(
-            f"invalid order {order!r}: it must list distinct names from "
-            f"{'-'.join(_SUPPORTED_ORDER_DIMS)} separated by '-'"
-        )
-    missing = [n for n, size in sizes.items() if size > 1 and n not in names]
-    if missing:
-        raise ValueError(
-            f"order {order!r} does not name {', '.join(missing)}, whose size is larger than 1"
-        )
-    return [n for n in names if n != "ep"] + [n for n in sizes if n not in names and n != "ep"]
-
-
-def _check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def initialize_model_parallel(
@@ -138,61 +98,23 @@ def initialize_model_parallel(
             "model parallel state is already initialized; call destroy_model_parallel() "
             "before initializing it again"
         )
-    if isinstance(distributed_timeout_minutes, bool) or not isinstance(distributed_timeout_minutes, (int, float)) \
-            or distributed_timeout_minutes <= 0:
-        raise ValueError(f"distributed_timeout_minutes must be a positive number, got {distributed_timeout_minutes!r}")
-    if not isinstance(create_gloo_process_groups, bool):
-        raise ValueError(f"create_gloo_process_groups must be True or False, got {create_gloo_process_groups!r}")
-    for name, value in (
-        ("tensor_model_parallel_size", tensor_model_parallel_size),
-        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
-        ("context_parallel_size", context_parallel_size),
-        ("expert_model_parallel_size", expert_model_parallel_size),
-        ("num_distributed_optimizer_instances", num_distributed_optimizer_instances),
-    ):
-        _check_positive_int(name, value)
-    if pipeline_model_parallel_size != 1 or virtual_pipeline_model_parallel_size not in (None, 1):
-        raise NotImplementedError(
-            f"pipeline parallelism is not supported by megatron_fsdp: got "
-            f"pipeline_model_parallel_size={pipeline_model_parallel_size}, "
-            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} "
-            "(only 1 / None are allowed)"
-        )
-    if expert_model_parallel_size != 1 or expert_tensor_parallel_size not in (None, 1, tensor_model_parallel_size):
-        raise NotImplementedError(
-            f"expert parallelism is not supported by megatron_fsdp: got "
-            f"expert_model_parallel_size={expert_model_parallel_size}, "
-            f"expert_tensor_parallel_size={expert_tensor_parallel_size} (only 1 is allowed)"
-        )
-    unsupported = {
-        "pipeline_model_parallel_split_rank": (pipeline_model_parallel_split_rank, None),
-        "hierarchical_context_parallel_sizes": (hierarchical_context_parallel_sizes, None),
-        "encoder_tensor_model_parallel_size": (encoder_tensor_model_parallel_size, 0),
-        "encoder_pipeline_model_parallel_size": (encoder_pipeline_model_parallel_size, 0),
-        "use_sharp": (use_sharp, False),
-        "get_embedding_ranks": (get_embedding_ranks, None),
-        "get_position_embedding_ranks": (get_position_embedding_ranks, None),
-    }
-    for name, (value, default) in unsupported.items():
-        if value != default:
-            raise NotImplementedError(
-                f"{name}={value!r} is not supported by megatron_fsdp (only {default!r} is allowed)"
-            )
-
-    world_size = dist.get_world_size()
-    model_parallel = tensor_model_parallel_size * context_parallel_size
-    if world_size % model_parallel != 0:
-        raise RuntimeError(
-            f"world size ({world_size}) is not divisible by tensor_model_parallel_size "
-            f"({tensor_model_parallel_size}) x context_parallel_size ({context_parallel_size}) "
-            f"x pipeline_model_parallel_size ({pipeline_model_parallel_size})"
-        )
-    data_parallel_size = world_size // model_parallel
-    if data_parallel_size % num_distributed_optimizer_instances != 0:
-        raise RuntimeError(
-            f"data-parallel size ({data_parallel_size}) is not divisible by "
-            f"num_distributed_optimizer_instances ({num_distributed_optimizer_instances})"
-        )
+    data_parallel_size = _check_initialize_arguments(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_split_rank=pipeline_model_parallel_split_rank,
+        pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
+        use_sharp=use_sharp, context_parallel_size=context_parallel_size,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        expert_model_parallel_size=expert_model_parallel_size,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        nccl_communicator_config_path=nccl_communicator_config_path,
+        distributed_timeout_minutes=distributed_timeout_minutes,
+        encoder_tensor_model_parallel_size=encoder_tensor_model_parallel_size,
+        encoder_pipeline_model_parallel_size=encoder_pipeline_model_parallel_size,
+        get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks,
+        create_gloo_process_groups=create_gloo_process_groups, world_size=dist.get_world_size())
     sizes = {
         "tp": tensor_model_parallel_size,
         "cp": context_parallel_size,
@@ -236,58 +158,6 @@ def initialize_model_parallel(
     )
 
 
-def _build_meshes(device_type: str, shape: tuple[int, ...],
-                  names: tuple[str, ...]) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
-    global _MESH_CACHE_OWNER
-    default_group = dist.distributed_c10d._get_default_group()
-    if _MESH_CACHE_OWNER is not default_group:
-        _MESH_CACHE.clear()  # meshes of an earlier, destroyed default group
-        _GLOO_CACHE.clear()
-        _MESH_CACHE_OWNER = default_group
-    key = (device_type, shape, names)
-    if key in _MESH_CACHE:
-        return _MESH_CACHE[key]
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-    def submesh(*dims: str) -> DeviceMesh:
-        # DeviceMesh slices must list dims in the root mesh's order.
-        return mesh[tuple(sorted(dims, key=names.index))]
-
-    dim_meshes = {name: mesh[name] for name in names}
-    dim_meshes["dp"] = submesh("dp_replicate", "dp_shard")._flatten("dp")
-    dim_meshes["dp_cp"] = submesh("dp_replicate", "dp_shard", "cp")._flatten("dp_cp")
-    dim_meshes["dp_shard_cp"] = submesh("dp_shard", "cp")._flatten("dp_shard_cp")
-    _MESH_CACHE[key] = (mesh, dim_meshes)
-    return mesh, dim_meshes
-
-
-def _group_ranks(mesh_ranks: torch.Tensor, names: tuple[str, ...], dims: tuple[str, ...]) -> list[list[int]]:
-    """The ranks of every group spanning `dims` of a mesh: its rank tensor
-    with those dims moved last (in mesh order, as flattening orders them)."""
-    inner = sorted(dims, key=names.index)
-    outer = [n for n in names if n not in inner]
-    ranks = mesh_ranks.permute([names.index(n) for n in outer + inner])
-    return ranks.reshape(-1, math.prod(mesh_ranks.shape[names.index(n)] for n in inner)).tolist()
-
-
-def _build_gloo_groups(mesh: DeviceMesh, dim_meshes: dict[str, DeviceMesh],
-                       names: tuple[str, ...]) -> dict[str, dist.ProcessGroup]:
-    """gloo groups over each data-parallel group's ranks (with and without
-    cp), created by every rank for every group in the same order."""
-    key = (tuple(mesh.mesh.shape), names)
-    if key in _GLOO_CACHE:
-        return _GLOO_CACHE[key]
-    groups = {}
-    for flat, dims in (("dp", ("dp_replicate", "dp_shard")), ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
-        if dist.get_backend(dim_meshes[flat].get_group()) == "gloo":
-            groups[flat] = dim_meshes[flat].get_group()  # already a gloo group over these ranks
-            continue
-        group, _ = dist.new_subgroups_by_enumeration(_group_ranks(mesh.mesh, names, dims), backend="gloo")
-        groups[flat] = group
-    _GLOO_CACHE[key] = groups
-    return groups
-
-
 def model_parallel_is_initialized() -> bool:
     return _STATE is not None
 
@@ -310,7 +180,7 @@ def destroy_model_parallel() -> None:
     """Drop the model-parallel state; `initialize_model_parallel` may be called again.
 
     Safe to call when nothing is initialized. The process groups stay alive
-    for reuse (see _MESH_CACHE) and are freed by
+    for reuse (see _process_groups._MESH_CACHE) and are freed by
     `torch.distributed.destroy_process_group()`.
     """
     global _STATE
@@ -348,15 +218,6 @@ def get_tensor_model_parallel_mesh() -> DeviceMesh:
     return _state().dim_meshes["tp"]
 
 
-def get_data_parallel_group_gloo(with_context_parallel: bool = False) -> dist.ProcessGroup:
-    """A gloo group over this rank's data-parallel ranks (Megatron's name)."""
-    groups = _state().gloo_groups
-    if groups is None:
-        raise RuntimeError("the data-parallel gloo groups were not created: initialize_model_parallel("
-                           "create_gloo_process_groups=True) creates them")
-    return groups["dp_cp" if with_context_parallel else "dp"]
-
-
 def get_data_parallel_mesh(with_context_parallel: bool = False) -> DeviceMesh:
     return _state().dim_meshes["dp_cp" if with_context_parallel else "dp"]
 
@@ -374,7 +235,10 @@ def get_hybrid_data_parallel_mesh() -> DeviceMesh:
 # ------------------------------------------------------------ Megatron getters
 
 
-def _group(dim: str) -> dist.ProcessGroup:
+def _group(dim: str, check_initialized: bool = True) -> Optional[dist.ProcessGroup]:
+    # Megatron's check_initialized=False returns its (None) global instead of asserting.
+    if _STATE is None and not check_initialized:
+        return None
     return _state().dim_meshes[dim].get_group()
 
 
@@ -383,7 +247,7 @@ def _rank(dim: str) -> int:
 
 
 def get_tensor_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
-    return _group("tp")
+    return _group("tp", check_initialized)
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -399,8 +263,17 @@ def get_tensor_model_parallel_src_rank() -> int:
     return dist.get_global_rank(get_tensor_model_parallel_group(), 0)
 
 
+def get_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    """Tensor x pipeline model-parallel group; pipeline size is always 1 here."""
+    return _group("tp", check_initialized)
+
+
+def get_model_parallel_src_rank() -> int:
+    return dist.get_global_rank(get_model_parallel_group(), 0)
+
+
 def get_context_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
-    return _group("cp")
+    return _group("cp", check_initialized)
 
 
 def get_context_parallel_world_size() -> int:
@@ -411,19 +284,70 @@ def get_context_parallel_rank() -> int:
     return _rank("cp")
 
 
-def get_context_parallel_global_ranks(check_initialized: bool = True) -> list[int]:
-    return dist.get_process_group_ranks(get_context_parallel_group())
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> Optional[list[int]]:
+    group = get_context_parallel_group(check_initialized)
+    return None if group is None else dist.get_process_group_ranks(group)
 
 
-def get_data_parallel_group(with_context_parallel: bool = False,
+def get_tensor_and_context_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    return _group("tp_cp", check_initialized)
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    state = _state()
+    return state.tensor_model_parallel_size * state.context_parallel_size
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    return dist.get_rank(get_tensor_and_context_parallel_group())
+
+
+def get_tensor_and_data_parallel_group(check_initialized: bool = True,
+                                       with_context_parallel: bool = False) -> dist.ProcessGroup:
+    return _group("tp_dp_cp" if with_context_parallel else "tp_dp", check_initialized)
+
+
+def get_amax_reduction_group(with_context_parallel: bool = False,
+                             tp_only_amax_red: bool = False) -> dist.ProcessGroup:
+    """The group fp8 amax values are reduced over (Megatron's choice of group)."""
+    if tp_only_amax_red:
+        return _group("tp_cp" if with_context_parallel else "tp")
+    return get_tensor_and_data_parallel_group(with_context_parallel=with_context_parallel)
+
+
+def _check_gtp_remat(with_gtp_remat) -> None:
+    # Megatron's generalized-TP weight-rematerialization axis has size 1 here,
+    # so its "replicate" and "full" data-parallel groups are the same group.
+    if not isinstance(with_gtp_remat, bool):
+        raise ValueError(f"with_gtp_remat must be True or False, got {with_gtp_remat!r}")
+
+
+def get_data_parallel_group(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                             partial_data_parallel: bool = False) -> dist.ProcessGroup:
+    _check_gtp_remat(with_gtp_remat)
     if partial_data_parallel:
         return get_intra_distributed_optimizer_instance_group() if with_context_parallel else _group("dp_shard")
     return _group("dp_cp" if with_context_parallel else "dp")
 
 
-def get_data_parallel_world_size(with_context_parallel: bool = False,
+def get_data_parallel_group_gloo(with_context_parallel: bool = False,
+                                 partial_data_parallel: bool = False) -> dist.ProcessGroup:
+    """A gloo group over the ranks of `get_data_parallel_group` with the same arguments."""
+    if partial_data_parallel and not with_context_parallel:
+        raise ValueError("get_data_parallel_group_gloo: partial_data_parallel=True needs "
+                         "with_context_parallel=True (Megatron's rule: an optimizer instance includes CP)")
+    groups = _state().gloo_groups
+    if groups is None:
+        raise RuntimeError("the data-parallel gloo groups were not created: initialize_model_parallel("
+                           "create_gloo_process_groups=True) creates them")
+    if partial_data_parallel:
+        return groups["dp_shard_cp"]
+    return groups["dp_cp" if with_context_parallel else "dp"]
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                                  partial_data_parallel: bool = False) -> int:
+    _check_gtp_remat(with_gtp_remat)
     state = _state()
     size = state.data_parallel_size
     if partial_data_parallel:
@@ -431,8 +355,9 @@ def get_data_parallel_world_size(with_context_parallel: bool = False,
     return size * (state.context_parallel_size if with_context_parallel else 1)
 
 
-def get_data_parallel_rank(with_context_parallel: bool = False,
+def get_data_parallel_rank(with_context_parallel: bool = False, with_gtp_remat: bool = True,
                            partial_data_parallel: bool = False) -> int:
+    _check_gtp_remat(with_gtp_remat)
     if partial_data_parallel:
         return _rank("dp_shard_cp") if with_context_parallel else _rank("dp_shard")
     return _rank("dp_cp" if with_context_parallel else "dp")
@@ -442,18 +367,27 @@ def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
     return dist.get_global_rank(get_data_parallel_group(with_context_parallel), 0)
 
 
-def get_intra_distributed_optimizer_instance_group() -> dist.ProcessGroup:
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True) -> dist.ProcessGroup:
     """The data x context parallel ranks of one distributed-optimizer instance."""
-    return _group("dp_shard_cp")
+    return _group("dp_shard_cp", check_initialized)
 
 
-def get_inter_distributed_optimizer_instance_group() -> dist.ProcessGroup:
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True) -> dist.ProcessGroup:
     """The ranks holding the same shard in different distributed-optimizer instances."""
-    return _group("dp_replicate")
+    return _group("dp_replicate", check_initialized)
 
 
 def get_num_distributed_optimizer_instances() -> int:
     return _state().num_distributed_optimizer_instances
+
+
+# ------------------------------------------- pipeline: always one stage here
+
+
+def _check_vp_stage(vp_stage) -> None:
+    if vp_stage not in (None, 0):
+        raise NotImplementedError(f"vp_stage={vp_stage!r}: virtual pipeline parallelism is not supported "
+                                  "(only None or 0)")
 
 
 def get_pipeline_model_parallel_world_size() -> int:
@@ -466,18 +400,71 @@ def get_pipeline_model_parallel_rank() -> int:
     return 0
 
 
-def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
-    return _group("pp")
+def get_pipeline_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    return _group("pp", check_initialized)
 
 
-def is_pipeline_first_stage(ignore_virtual: bool = True) -> bool:
+def _only_stage_rank() -> int:
+    return dist.get_global_rank(get_pipeline_model_parallel_group(), 0)
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    return _only_stage_rank()
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _only_stage_rank()
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """In a one-stage pipeline the next stage (modulo the stage count, as in Megatron) is this one."""
+    return _only_stage_rank()
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    return _only_stage_rank()
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    """None: virtual pipelining is off (Megatron's value when it is not set)."""
+    return None
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return None
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+    _check_vp_stage(vp_stage)
     _state()
     return True
 
 
-def is_pipeline_last_stage(ignore_virtual: bool = True) -> bool:
+def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+    _check_vp_stage(vp_stage)
     _state()
     return True
+
+
+def get_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    """The ranks holding word embeddings: the first and last stage of this
+    rank's pipeline, which with one stage is this rank alone (Megatron's too)."""
+    return _group("pp", check_initialized)
+
+
+def get_position_embedding_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    """The first stage of this rank's pipeline: this rank alone."""
+    return _group("pp", check_initialized)
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+    # As Megatron: False before initialization, then every rank (each is the first and last stage).
+    _check_vp_stage(vp_stage)
+    return _STATE is not None
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    return _STATE is not None
 
 
 def get_expert_model_parallel_world_size() -> int:
@@ -485,6 +472,14 @@ def get_expert_model_parallel_world_size() -> int:
     return 1
 
 
-def get_model_parallel_group() -> dist.ProcessGroup:
-    """Tensor x pipeline model-parallel group; pipeline size is always 1 here."""
-    return get_tensor_model_parallel_group()
+def get_expert_model_parallel_rank() -> int:
+    _state()
+    return 0
+
+
+def get_all_ranks() -> str:
+    """This rank's tensor, GTP-remat, data, context, pipeline and expert
+    parallel ranks joined by "_" (Megatron's tag for per-rank files)."""
+    ranks = (get_tensor_model_parallel_rank(), 0, get_data_parallel_rank(), get_context_parallel_rank(),
+             get_pipeline_model_parallel_rank(), get_expert_model_parallel_rank())
+    return "_".join(str(r) for r in ranks)

@@ -1,5 +1,7 @@
 """Bad configuration gets a clear error naming the bad value, before any work."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -99,9 +101,43 @@ def test_layer_specs_name_the_layer():
         get_gpt_layer_local_spec(num_experts=4)
 
 
+# Megatron-Core 0.19's forward parameters, in order (TransformerLayer.forward
+# takes *args/**kwargs there and hands them to _forward_attention, listed here).
+MEGATRON_FORWARD_PARAMETERS = {
+    "SelfAttention": ["hidden_states", "attention_mask", "key_value_states", "inference_context", "rotary_pos_emb",
+                      "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
+                      "packed_seq_params", "sequence_len_offset", "*inference_params"],
+    "TransformerLayer": ["hidden_states", "attention_mask", "context", "context_mask", "rotary_pos_emb",
+                         "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
+                         "inference_context", "packed_seq_params", "sequence_len_offset", "padding_mask",
+                         "*inference_params"],
+    "TransformerBlock": ["hidden_states", "attention_mask", "context", "context_mask", "rotary_pos_emb",
+                         "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin", "attention_bias",
+                         "inference_context", "packed_seq_params", "sequence_len_offset", "padding_mask",
+                         "extract_layer_indices", "*inference_params", "*dynamic_inference_decode_only"],
+    "MLP": ["hidden_states", "per_token_scale"],
+    "GPTModel": ["input_ids", "position_ids", "attention_mask", "decoder_input", "labels", "inference_context",
+                 "packed_seq_params", "extra_block_kwargs", "runtime_gather_output", "*inference_params",
+                 "*loss_mask", "*padding_mask", "*output_processor", "*output_processor_context"],
+}
+
+
+def test_forward_signatures_match_megatron():
+    from megatron_fsdp.transformer import MLP, SelfAttention, TransformerBlock
+
+    classes = {"SelfAttention": SelfAttention, "TransformerLayer": TransformerLayer,
+               "TransformerBlock": TransformerBlock, "MLP": MLP, "GPTModel": GPTModel}
+    for name, expected in MEGATRON_FORWARD_PARAMETERS.items():
+        params = list(inspect.signature(classes[name].forward).parameters.values())[1:]
+        got = [("*" if p.kind is p.KEYWORD_ONLY else "") + p.name for p in params]
+        # Megatron's MLP takes **kwargs (the layer passes padding_mask); ours names it.
+        assert got[:len(expected)] == expected and all(g.startswith("*") for g in got[len(expected):]), \
+            f"{name}.forward: {got}"
+
+
 def _case_megatron_forward_arguments():
     setup_parallel(tp=1)
-    model = GPTModel(make_config(), vocab_size=64, max_sequence_length=8)
+    model = GPTModel(make_config(), vocab_size=64, max_sequence_length=8, position_embedding_type="none")
     block, layer = model.decoder, model.decoder.layers[0]
     h = torch.randn(8, 2, 32)
     # Megatron's keyword names, with None, run as they do there.
@@ -120,7 +156,84 @@ def _case_megatron_forward_arguments():
     with pytest.raises(NotImplementedError, match="DotProductAttention.forward: attention_bias is not supported"):
         q = torch.randn(8, 2, 4, 8)
         layer.self_attention.core_attention(q, q, q, None, attention_bias=q)
+    # Positional order is Megatron 0.19's: the 8th argument is rotary_pos_cos_sin.
+    for module, name in ((block, "TransformerBlock"), (layer, "TransformerLayer")):
+        with pytest.raises(NotImplementedError, match=f"{name}.forward: rotary_pos_cos_sin is not supported"):
+            module(h, None, None, None, None, None, None, h)
+    with pytest.raises(NotImplementedError, match="dynamic_inference_decode_only is not supported"):
+        block(h, None, dynamic_inference_decode_only=True)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(NotImplementedError, match="GPTModel.forward: output_processor is not supported"):
+        model(ids, None, None, output_processor=lambda **kw: None)
+    with pytest.raises(TypeError):
+        model(ids, None, None, None, None, None, None, None, None, None)  # loss_mask is keyword-only
+
+    # padding_mask only steers MoE routing in Megatron: no change for dense layers.
+    reference = model(ids, None, None, labels=ids)
+    padding = torch.zeros(2, 8, dtype=torch.bool)
+    padding[1, :3] = True
+    assert torch.equal(model(ids, None, None, labels=ids, padding_mask=padding), reference)
+    with pytest.raises(ValueError, match=r"padding_mask has shape \(2, 7\), expected input_ids' shape \(2, 8\)"):
+        model(ids, None, None, padding_mask=padding[:, :7])
+
+    # per_token_scale multiplies each token's fc1 activations; fc2 is linear in them.
+    mlp = layer.mlp
+    plain, _ = mlp(h)
+    scale = torch.full((8, 2), 2.0)
+    scale[0] = 0.0
+    scaled, _ = mlp(h, scale)
+    torch.testing.assert_close(scaled[1:], 2 * plain[1:])
+    assert torch.equal(scaled[0], torch.zeros_like(scaled[0]))
+    with pytest.raises(ValueError, match=r"per_token_scale has shape \(2, 8\)"):
+        mlp(h, scale.t())
 
 
 def test_megatron_forward_arguments_for_missing_features_raise(pools):
     pools(2).run(_case_megatron_forward_arguments)
+
+
+def _block_outputs(block, h, extract):
+    h = h.detach().requires_grad_(True)
+    out = block(h, None, extract_layer_indices=extract)
+    out, kept = out if extract else (out, [])
+    (out.sum() + sum(k.square().sum() for k in kept)).backward()
+    return out.detach(), [k.detach() for k in kept], h.grad
+
+
+def _case_extract_layer_indices(sequence_parallel: bool):
+    setup_parallel(tp=2)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    h = torch.randn(8 // (2 if sequence_parallel else 1), 2, 32, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, extra in (("plain", {}), ("recompute", recompute)):
+        torch.manual_seed(5)
+        model = GPTModel(make_config(num_layers=3, sequence_parallel=sequence_parallel, **extra), vocab_size=64,
+                         max_sequence_length=8).train()
+        block = model.decoder
+        # The hidden states after layers 0 and 2, before the final norm, in layer order.
+        expected, layer_outputs = h, []
+        for layer in block.layers:
+            expected, _ = layer(expected, None)
+            layer_outputs.append(expected.detach())
+        out, kept, grad = _block_outputs(block, h, {2, 0})
+        assert torch.equal(out, block.final_layernorm(layer_outputs[-1]).detach())
+        assert len(kept) == 2 and torch.equal(kept[0], layer_outputs[0]) and torch.equal(kept[1], layer_outputs[2])
+        results[name] = (out, kept, grad)
+        plain_out, _, plain_grad = _block_outputs(block, h, None)
+        assert torch.equal(plain_out, out) and not torch.equal(plain_grad, grad)  # the extracted states add gradient
+        with pytest.raises(ValueError, match=r"extract_layer_indices must be a set of layer indices in \[0, 3\)"):
+            block(h, None, extract_layer_indices={3})
+        ids, positions = torch.zeros(2, 8, dtype=torch.long), torch.arange(8).expand(2, 8)
+        with pytest.raises(ValueError, match="extract_layer_indices in extra_block_kwargs"):
+            model(ids, positions, None, extra_block_kwargs={"extract_layer_indices": {0}})
+        # padding_mask reaches the layers (split over TP ranks under sequence parallelism) without effect.
+        padding = torch.zeros(2, 8, dtype=torch.bool)
+        padding[0, 5:] = True
+        assert torch.equal(model(ids, positions, None, labels=ids, padding_mask=padding),
+                           model(ids, positions, None, labels=ids))
+    torch.testing.assert_close(results["recompute"][2], results["plain"][2])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_extract_layer_indices(pools, sequence_parallel):
+    pools(2).run(_case_extract_layer_indices, sequence_parallel)

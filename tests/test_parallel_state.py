@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_fsdp import _process_groups as process_groups
 from megatron_fsdp import parallel_state as ps
 
 WORLD = 4
@@ -113,12 +114,45 @@ def _case_layout(tp: int, cp: int, n_inst: int, order: str) -> dict:
     assert ps.get_data_parallel_rank(with_context_parallel=True, partial_data_parallel=True) == \
         intra_ranks.index(rank)
 
-    # Pipeline parallelism is always trivial here.
+    # Megatron's combined groups: tensor x context, tensor x data (x context), fp8 amax.
+    tp_cp_ranks = _same_except(coords, rank, ("tp", "cp"))
+    tp_dp_ranks = _same_except(coords, rank, ("tp", "dp"))
+    tp_dp_cp_ranks = _same_except(coords, rank, ("tp", "dp", "cp"))
+    assert _group_ranks(ps.get_tensor_and_context_parallel_group()) == tp_cp_ranks
+    assert ps.get_tensor_and_context_parallel_world_size() == tp * cp
+    assert ps.get_tensor_and_context_parallel_rank() == tp_cp_ranks.index(rank)
+    assert _group_ranks(ps.get_tensor_and_data_parallel_group()) == tp_dp_ranks
+    assert _group_ranks(ps.get_tensor_and_data_parallel_group(with_context_parallel=True)) == tp_dp_cp_ranks
+    amax = {(False, False): tp_dp_ranks, (True, False): tp_dp_cp_ranks, (False, True): tp_ranks,
+            (True, True): tp_cp_ranks}
+    for (cp_too, tp_only), expected in amax.items():
+        group = ps.get_amax_reduction_group(with_context_parallel=cp_too, tp_only_amax_red=tp_only)
+        assert _group_ranks(group) == expected, f"amax group with_cp={cp_too} tp_only={tp_only}"
+    assert ps.get_model_parallel_src_rank() == tp_ranks[0]
+    # The GTP-remat axis has size 1: both of Megatron's data-parallel flavours are one group.
+    assert ps.get_data_parallel_group(with_gtp_remat=False) is ps.get_data_parallel_group()
+    assert ps.get_data_parallel_world_size(True, False) == dp * cp  # Megatron's positional order
+
+    # Pipeline parallelism is always trivial here: one stage, which is also the
+    # embedding and position-embedding stage (Megatron's groups for PP=1).
     assert ps.get_pipeline_model_parallel_world_size() == 1
     assert ps.get_pipeline_model_parallel_rank() == 0
     assert _group_ranks(ps.get_pipeline_model_parallel_group()) == [rank]
     assert ps.is_pipeline_first_stage() and ps.is_pipeline_last_stage()
+    assert ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=0)
+    assert [ps.get_pipeline_model_parallel_first_rank(), ps.get_pipeline_model_parallel_last_rank(),
+            ps.get_pipeline_model_parallel_next_rank(), ps.get_pipeline_model_parallel_prev_rank()] == [rank] * 4
+    assert ps.get_virtual_pipeline_model_parallel_world_size() is None
+    assert ps.get_virtual_pipeline_model_parallel_rank() is None
+    assert _group_ranks(ps.get_embedding_group()) == [rank]
+    assert _group_ranks(ps.get_position_embedding_group()) == [rank]
+    assert ps.is_rank_in_embedding_group() and ps.is_rank_in_embedding_group(ignore_virtual=False)
+    assert ps.is_rank_in_position_embedding_group()
+    with pytest.raises(NotImplementedError, match="vp_stage=1"):
+        ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
     assert ps.get_expert_model_parallel_world_size() == 1
+    assert ps.get_expert_model_parallel_rank() == 0
+    assert ps.get_all_ranks() == f"{me['tp']}_0_{me['dp']}_{me['cp']}_0_0"
 
     # Meshes: CPU under gloo, sizes and groups consistent with the getters.
     assert ps.get_device_type() == "cpu"
@@ -148,6 +182,10 @@ def _case_layout(tp: int, cp: int, n_inst: int, order: str) -> dict:
     _check_allreduce(ps.get_data_parallel_group(with_context_parallel=True), dp_cp_ranks, "DP-CP group")
     _check_allreduce(ps.get_intra_distributed_optimizer_instance_group(), intra_ranks, "intra group")
     _check_allreduce(ps.get_inter_distributed_optimizer_instance_group(), inter_ranks, "inter group")
+    _check_allreduce(ps.get_tensor_and_context_parallel_group(), tp_cp_ranks, "TP-CP group")
+    _check_allreduce(ps.get_tensor_and_data_parallel_group(), tp_dp_ranks, "TP-DP group")
+    _check_allreduce(ps.get_tensor_and_data_parallel_group(with_context_parallel=True), tp_dp_cp_ranks,
+                     "TP-DP-CP group")
     return {"tp": tp_ranks, "dp": dp_ranks, "cp": cp_ranks}
 
 
@@ -315,6 +353,10 @@ INIT_ERRORS = {
                      ["distributed_timeout_minutes must be a positive number, got 0"]),
     "gloo_flag_not_bool": (dict(create_gloo_process_groups="yes"), "ValueError",
                            ["create_gloo_process_groups must be True or False, got 'yes'"]),
+    "nccl_communicator_config": (dict(nccl_communicator_config_path="nccl.yaml"), "NotImplementedError",
+                                 ["nccl_communicator_config_path='nccl.yaml'"]),
+    "pipeline_comm_backend": (dict(pipeline_model_parallel_comm_backend="ucc"), "NotImplementedError",
+                              ["pipeline_model_parallel_comm_backend='ucc'"]),
 }
 
 
@@ -359,6 +401,16 @@ GETTERS = [
     ("get_tensor_model_parallel_mesh", {}),
     ("get_data_parallel_mesh", {}),
     ("get_device_type", {}),
+    ("get_model_parallel_group", {}),
+    ("get_model_parallel_src_rank", {}),
+    ("get_tensor_and_data_parallel_group", {"with_context_parallel": True}),
+    ("get_tensor_and_context_parallel_rank", {}),
+    ("get_amax_reduction_group", {}),
+    ("get_embedding_group", {}),
+    ("get_position_embedding_group", {}),
+    ("get_pipeline_model_parallel_first_rank", {}),
+    ("get_data_parallel_group_gloo", {}),
+    ("get_all_ranks", {}),
 ]
 
 
@@ -371,27 +423,65 @@ def test_getter_before_initialize_raises(pools, name, kwargs):
     assert issubclass(ps.ModelParallelNotInitializedError, RuntimeError)
 
 
+def _case_uninitialized_megatron_answers() -> None:
+    """Megatron's answers before initialization where it gives one instead of failing."""
+    assert not ps.is_initialized()
+    for getter in (ps.get_tensor_model_parallel_group, ps.get_model_parallel_group, ps.get_context_parallel_group,
+                   ps.get_context_parallel_global_ranks, ps.get_pipeline_model_parallel_group,
+                   ps.get_embedding_group, ps.get_position_embedding_group, ps.get_tensor_and_data_parallel_group,
+                   ps.get_tensor_and_context_parallel_group, ps.get_intra_distributed_optimizer_instance_group,
+                   ps.get_inter_distributed_optimizer_instance_group):
+        assert getter(check_initialized=False) is None, getter.__name__
+    assert not ps.is_rank_in_embedding_group() and not ps.is_rank_in_position_embedding_group()
+
+
+def test_uninitialized_megatron_answers(pools):
+    pools(WORLD).run(_case_uninitialized_megatron_answers)
+
+
 def _group_timeout(group) -> datetime.timedelta:
     return group._get_backend(torch.device("cpu")).options._timeout
 
 
-def _case_timeout_and_gloo_groups(tp: int, cp: int) -> None:
+def _case_timeout_and_gloo_groups(tp: int, cp: int, n_inst: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 distributed_timeout_minutes=7)
+                                 num_distributed_optimizer_instances=n_inst, distributed_timeout_minutes=7)
     for group in (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+                  ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+                  ps.get_tensor_and_context_parallel_group(), ps.get_embedding_group(),
                   ps.get_data_parallel_group_gloo(), ps.get_data_parallel_group_gloo(with_context_parallel=True)):
         assert _group_timeout(group) == datetime.timedelta(minutes=7)
-    for cp_too in (False, True):
-        gloo = ps.get_data_parallel_group_gloo(with_context_parallel=cp_too)
+    mesh = ps.get_device_mesh()
+    views = {"dp": dict(with_context_parallel=False), "dp_cp": dict(with_context_parallel=True),
+             "dp_shard_cp": dict(with_context_parallel=True, partial_data_parallel=True)}
+    for view, kwargs in views.items():
+        gloo = ps.get_data_parallel_group_gloo(**kwargs)
         assert dist.get_backend(gloo) == "gloo"
-        assert (dist.get_process_group_ranks(gloo)
-                == dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=cp_too)))
-        # The enumeration that creates them on NCCL runs (under gloo the DP groups are reused):
-        # this rank's group is one of its rows, and the rows partition the world.
-        rows = ps._group_ranks(ps.get_device_mesh().mesh, ps.get_device_mesh().mesh_dim_names,
-                               ("dp_replicate", "dp_shard", "cp") if cp_too else ("dp_replicate", "dp_shard"))
-        assert dist.get_process_group_ranks(gloo) in rows
-        assert sorted(r for row in rows for r in row) == list(range(WORLD))
+        assert dist.get_process_group_ranks(gloo) == dist.get_process_group_ranks(ps.get_data_parallel_group(**kwargs))
+    with pytest.raises(ValueError, match="partial_data_parallel=True needs with_context_parallel=True"):
+        ps.get_data_parallel_group_gloo(partial_data_parallel=True)
+
+    # Under gloo the data-parallel groups are gloo groups already and are reused;
+    # an NCCL run enumerates new ones. Take that path here (get_backend answering
+    # "nccl"): one group per distinct rank set, over the data-parallel ranks.
+    state, real_get_backend = ps._STATE, dist.get_backend
+    cached = dict(process_groups._GLOO_CACHE)
+    process_groups._GLOO_CACHE.clear()
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        enumerated = process_groups.build_gloo_groups(mesh, state.dim_meshes, mesh.mesh_dim_names)
+    finally:
+        dist.get_backend = real_get_backend
+        process_groups._GLOO_CACHE.clear()
+        process_groups._GLOO_CACHE.update(cached)
+    for view, group in enumerated.items():
+        reference = state.dim_meshes[view].get_group()
+        assert group is not reference and dist.get_backend(group) == "gloo"
+        assert dist.get_process_group_ranks(group) == dist.get_process_group_ranks(reference), view
+        _check_allreduce(group, dist.get_process_group_ranks(reference), f"enumerated gloo {view}")
+    assert (enumerated["dp"] is enumerated["dp_cp"]) == (cp == 1)
+    assert (enumerated["dp_shard_cp"] is enumerated["dp_cp"]) == (n_inst == 1)
+
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                  create_gloo_process_groups=False)
@@ -399,6 +489,6 @@ def _case_timeout_and_gloo_groups(tp: int, cp: int) -> None:
         ps.get_data_parallel_group_gloo()
 
 
-@pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2)])
-def test_timeout_and_gloo_groups(pools, tp, cp):
-    pools(WORLD).run(_case_timeout_and_gloo_groups, tp, cp)
+@pytest.mark.parametrize("tp,cp,n_inst", [(1, 1, 2), (2, 1, 1), (1, 2, 1)])
+def test_timeout_and_gloo_groups(pools, tp, cp, n_inst):
+    pools(WORLD).run(_case_timeout_and_gloo_groups, tp, cp, n_inst)

@@ -22,11 +22,13 @@ from .data import broadcast_data
 from .utils import (
     copy_tensor_model_parallel_attributes,
     divide,
+    gather_split_1d_tensor,
     local_tensor,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
     split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
 )
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "divide",
+    "gather_split_1d_tensor",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_cuda_rng_tracker",
@@ -52,5 +55,6 @@ __all__ = [
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
     "split_tensor_along_last_dim",
+    "split_tensor_into_1d_equal_chunks",
     "vocab_parallel_cross_entropy",
 ]

@@ -24,7 +24,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .utils import divide, init_full_tensor, local_tensor, make_tp_parameter, record_init
+from .utils import VocabUtility, divide, init_full_tensor, local_tensor, make_tp_parameter, record_init
 
 
 def _reject(layer: str, **options) -> None:
@@ -234,9 +234,8 @@ class VocabParallelEmbedding(nn.Module):
                 f"tensor-parallel size {tp_size}; pad it (Megatron's --make-vocab-size-divisible-by)"
             )
         self.num_embeddings_per_partition = num_embeddings // tp_size
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
-        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, parallel_state.get_tensor_model_parallel_rank(), tp_size)
         self.weight = make_tp_parameter(
             init_full_tensor((num_embeddings, embedding_dim), init_method, config), 0, config)
         record_init(self, "weight", init_method, config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import parallel_state
@@ -52,8 +53,10 @@ def record_init(module: torch.nn.Module, name: str, init_method: Optional[Callab
     module._megatron_param_init[name] = (init_method, config)
 
 
-# Megatron's per-parameter record of how tensor parallelism splits it.
-_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+# Megatron's per-parameter record of how tensor parallelism splits it (the
+# expert and fused-QKV entries are Megatron's too; our layers leave them unset).
+_TP_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1,
+                          "expert_tp": False, "is_qkv": False, "qkv_split_shapes": None}
 
 
 def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -77,18 +80,70 @@ def copy_tensor_model_parallel_attributes(destination_tensor: torch.Tensor, sour
             setattr(destination_tensor, attribute, getattr(source_tensor, attribute))
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None,
+                                           expert_tp_group: Optional[dist.ProcessGroup] = None) -> bool:
     """True where this rank's copy of `param` counts once across TP: a TP-split
-    parameter on every rank, a replicated one on TP rank 0 only."""
-    return bool(getattr(param, "tensor_model_parallel", False)) or \
-        parallel_state.get_tensor_model_parallel_rank() == 0
+    parameter on every rank, a replicated one on rank 0 of `tp_group` (default:
+    parallel_state's TP group; `expert_tp_group` for a parameter marked
+    `allreduce=False`, as Megatron marks expert parameters)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if not getattr(param, "allreduce", True) and expert_tp_group is not None:
+        tp_group = expert_tp_group
+    if tp_group is not None:
+        return dist.get_rank(tp_group) == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
-                                contiguous_split_chunks: bool = False) -> list[torch.Tensor]:
+                                contiguous_split_chunks: bool = False) -> tuple[torch.Tensor, ...]:
     last = tensor.dim() - 1
     chunks = torch.split(tensor, divide(tensor.size(last), num_partitions), dim=last)
-    return [c.contiguous() for c in chunks] if contiguous_split_chunks else list(chunks)
+    return tuple(c.contiguous() for c in chunks) if contiguous_split_chunks else chunks
+
+
+def _tp_group_or_default(tp_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
+
+
+def split_tensor_into_1d_equal_chunks(tensor: torch.Tensor, new_buffer: bool = False,
+                                      tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """This TP rank's 1/TP of `tensor`'s elements (flattened): a view, or a
+    new tensor with `new_buffer`."""
+    group = _tp_group_or_default(tp_group)
+    size = dist.get_world_size(group)
+    # Megatron floors the chunk size and drops the remainder; that loses data silently.
+    if tensor.numel() % size != 0:
+        raise ValueError(f"split_tensor_into_1d_equal_chunks: {tensor.numel()} elements are not divisible "
+                         f"by the tensor-parallel size {size}")
+    chunk = tensor.numel() // size
+    start = chunk * dist.get_rank(group)
+    data = tensor.view(-1)[start:start + chunk]
+    return data.clone() if new_buffer else data
+
+
+def gather_split_1d_tensor(tensor: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """The inverse of split_tensor_into_1d_equal_chunks: every TP rank's chunk,
+    concatenated in rank order, as a new 1D tensor."""
+    group = _tp_group_or_default(tp_group)
+    gathered = torch.empty(tensor.numel() * dist.get_world_size(group), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(gathered, tensor.contiguous().view(-1), group=group)
+    return gathered
+
+
+class VocabUtility:
+    """The [first, last) vocabulary indices of one TP rank's partition."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> tuple[int, int]:
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(
+            divide(global_vocab_size, world_size), rank, world_size)
 
 
 def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> torch.nn.Parameter:

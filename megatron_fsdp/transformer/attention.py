@@ -118,16 +118,16 @@ class SelfAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 key_value_states=None, inference_context=None, rotary_pos_emb: Optional[torch.Tensor] = None,
-                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, packed_seq_params=None,
-                sequence_len_offset=None, *, inference_params=None):
+                rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
         """[s, b, h] -> (output [s, b, h], bias of the output projection or None).
-        Megatron-Core's signature; the arguments of features megatron_fsdp
-        lacks must be None."""
+        Megatron-Core 0.19's signature; the arguments of features
+        megatron_fsdp lacks must be None."""
         reject_unsupported_inputs(
             "SelfAttention.forward", key_value_states=key_value_states, inference_context=inference_context,
-            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias,
-            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-            inference_params=inference_params)
+            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset, inference_params=inference_params)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if self.q_layernorm is not None:
             query, key = self.q_layernorm(query), self.k_layernorm(key)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from .. import parallel_state
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -33,8 +36,23 @@ class MLP(nn.Module):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             tp_comm_buffer_name="fc2")
 
-    def forward(self, hidden_states: torch.Tensor):
-        """[s, b, h] -> (output [s, b, h], bias of fc2 or None)."""
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: Optional[torch.Tensor] = None, *,
+                padding_mask: Optional[torch.Tensor] = None):
+        """[s, b, h] -> (output [s, b, h], bias of fc2 or None).
+
+        Megatron-Core's signature. `per_token_scale` ([s, b]) multiplies each
+        token's activations before fc2; under sequence parallelism it covers
+        the whole sequence, which fc1 gathers. `padding_mask` only steers
+        mixture-of-experts routing in Megatron-Core; a dense MLP, there as
+        here, computes every token the same way, so it does not change the result.
+        """
+        if per_token_scale is not None:
+            tokens = list(hidden_states.shape[:-1])
+            if self.config.sequence_parallel:
+                tokens[0] *= parallel_state.get_tensor_model_parallel_world_size()
+            if list(per_token_scale.shape) != tokens:
+                raise ValueError(f"MLP.forward: per_token_scale has shape {tuple(per_token_scale.shape)}, "
+                                 f"expected one scale per token of fc1's output {tuple(tokens)}")
         intermediate, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             intermediate = intermediate + bias
@@ -43,4 +61,6 @@ class MLP(nn.Module):
             intermediate = self.activation_func(pairs[..., 0]) * pairs[..., 1]
         else:
             intermediate = self.activation_func(intermediate)
+        if per_token_scale is not None:
+            intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(intermediate.dtype)
         return self.linear_fc2(intermediate)

@@ -25,52 +25,80 @@ class TransformerBlock(nn.Module):
             if post_layer_norm and post_process else None
         )
 
-    def _run_layers(self, start: int, end: int):
+    def _run_layers(self, start: int, end: int, extract: frozenset = frozenset(), padding_mask=None):
+        """Layers [start, end) as one function returning (output, *outputs of the layers in `extract`)."""
         def run(hidden_states, attention_mask, rotary_pos_emb):
-            for layer in self.layers[start:end]:
-                hidden_states, _ = layer(hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb)
-            return hidden_states
+            kept = []
+            for i in range(start, end):
+                hidden_states, _ = self.layers[i](hidden_states, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                                  padding_mask=padding_mask)
+                if i in extract:
+                    kept.append(hidden_states)
+            return (hidden_states, *kept)
 
         return run
 
-    def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+    def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb, extract, padding_mask):
         config = self.config
         n = config.recompute_num_layers
         num_layers = len(self.layers)
         if config.recompute_method == "uniform":
             # Every chunk of n layers is recomputed as one unit.
-            for start in range(0, num_layers, n):
-                hidden_states = tp_random.checkpoint(
-                    self._run_layers(start, min(start + n, num_layers)), False,
-                    hidden_states, attention_mask, rotary_pos_emb)
+            chunks = [(start, min(start + n, num_layers), True) for start in range(0, num_layers, n)]
         else:  # "block": the first n layers are recomputed one by one, the rest are not
-            for i in range(num_layers):
-                run = self._run_layers(i, i + 1)
-                if i < n:
-                    hidden_states = tp_random.checkpoint(run, False, hidden_states, attention_mask, rotary_pos_emb)
-                else:
-                    hidden_states = run(hidden_states, attention_mask, rotary_pos_emb)
-        return hidden_states
+            chunks = [(i, i + 1, i < n) for i in range(num_layers)]
+        kept = []
+        for start, end, recompute in chunks:
+            run = self._run_layers(start, end, extract, padding_mask)
+            if recompute:
+                hidden_states, *more = tp_random.checkpoint(run, False, hidden_states, attention_mask, rotary_pos_emb)
+            else:
+                hidden_states, *more = run(hidden_states, attention_mask, rotary_pos_emb)
+            kept += more
+        return hidden_states, kept
+
+    def _extract_indices(self, extract_layer_indices) -> frozenset:
+        if extract_layer_indices is None:
+            return frozenset()
+        num_layers = len(self.layers)
+        indices = list(extract_layer_indices) if isinstance(extract_layer_indices, (set, frozenset, list, tuple)) \
+            else None
+        if indices is None or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+                                      for i in indices):
+            raise ValueError(f"extract_layer_indices must be a set of layer indices in [0, {num_layers}), "
+                             f"got {extract_layer_indices!r}")
+        return frozenset(indices)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context=None, context_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
-                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
-                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None) -> torch.Tensor:
-        """Megatron-Core's signature; the arguments of features megatron_fsdp
-        lacks must be None."""
+                rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                inference_context=None, packed_seq_params=None, sequence_len_offset=None,
+                padding_mask: Optional[torch.Tensor] = None, extract_layer_indices=None, *,
+                inference_params=None, dynamic_inference_decode_only=None):
+        """Megatron-Core 0.19's signature; the arguments of features
+        megatron_fsdp lacks must be None.
+
+        Returns the output [s, b, h]; with a non-empty `extract_layer_indices`
+        (0-based layer numbers), (output, [the output of each of those layers,
+        before the final norm, in layer order]) as Megatron does.
+        """
         reject_unsupported_inputs(
             "TransformerBlock.forward", context=context, context_mask=context_mask, rotary_pos_cos=rotary_pos_cos,
-            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, inference_context=inference_context,
-            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-            inference_params=inference_params)
+            rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+            inference_context=inference_context, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset, inference_params=inference_params,
+            dynamic_inference_decode_only=dynamic_inference_decode_only)
+        extract = self._extract_indices(extract_layer_indices)
         # Under sequence parallelism every activation is split across TP ranks,
         # so all dropout in the block draws from the TP-distinct stream.
         rng = tp_random.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()
         with rng:
             if self.config.recompute_granularity == "full" and self.training:
-                hidden_states = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states, kept = self._checkpointed_forward(hidden_states, attention_mask, rotary_pos_emb,
+                                                                 extract, padding_mask)
             else:
-                hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, rotary_pos_emb)
+                hidden_states, *kept = self._run_layers(0, len(self.layers), extract, padding_mask)(
+                    hidden_states, attention_mask, rotary_pos_emb)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
-        return hidden_states
+        return (hidden_states, list(kept)) if extract else hidden_states

@@ -44,20 +44,22 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context=None, context_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
-                rotary_pos_cos=None, rotary_pos_sin=None, attention_bias=None, inference_context=None,
-                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-        """[s, b, h] -> (output [s, b, h], context): Megatron-Core's signature;
-        the arguments of features megatron_fsdp lacks must be None."""
+                rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
+                inference_context=None, packed_seq_params=None, sequence_len_offset=None,
+                padding_mask: Optional[torch.Tensor] = None, *, inference_params=None):
+        """[s, b, h] -> (output [s, b, h], context): Megatron-Core 0.19's
+        signature; the arguments of features megatron_fsdp lacks must be None.
+        `padding_mask` goes to the MLP, as in Megatron (see MLP.forward)."""
         reject_unsupported_inputs(
             "TransformerLayer.forward", context=context, context_mask=context_mask, rotary_pos_cos=rotary_pos_cos,
-            rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias, inference_context=inference_context,
-            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-            inference_params=inference_params)
+            rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+            inference_context=inference_context, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset, inference_params=inference_params)
         attention_output, attention_bias = self.self_attention(
             self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb=rotary_pos_emb)
         hidden_states = bias_dropout_add(attention_output, attention_bias, hidden_states,
                                          self.hidden_dropout, self.training)
-        mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states))
+        mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states), padding_mask=padding_mask)
         hidden_states = bias_dropout_add(mlp_output, mlp_bias, hidden_states,
                                          self.hidden_dropout, self.training)
         return hidden_states, None

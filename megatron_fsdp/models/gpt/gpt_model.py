@@ -11,7 +11,9 @@ from torch import nn
 from ... import parallel_state
 from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ...tensor_parallel.layers import ColumnParallelLinear
+from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from ...transformer.transformer_block import TransformerBlock
+from ...transformer.utils import reject_unsupported_inputs
 from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from .gpt_layer_specs import layer_class_from_spec
@@ -115,17 +117,29 @@ class GPTModel(nn.Module):
         packed_seq_params=None,
         extra_block_kwargs: Optional[dict] = None,
         runtime_gather_output: Optional[bool] = None,
-        loss_mask: Optional[torch.Tensor] = None,
+        *,
         inference_params=None,
+        loss_mask: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
+        output_processor=None,
+        output_processor_context=None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] when `labels` are given, else logits [b, s, vocab/tp]
-        ([b, s, vocab] with parallel_output=False).
+        ([b, s, vocab] with parallel_output=False). Megatron-Core 0.19's signature.
 
         As in Megatron-Core, `loss_mask` is not applied here: the caller's loss
-        function weights the returned per-token loss.
+        function weights the returned per-token loss. `padding_mask` ([b, s],
+        True = padding) reaches the layers as in Megatron, where only
+        mixture-of-experts routing reads it (see MLP.forward).
         """
-        if inference_context is not None or inference_params is not None or packed_seq_params is not None:
-            raise NotImplementedError("inference contexts and packed sequences are not supported")
+        reject_unsupported_inputs(
+            "GPTModel.forward", inference_context=inference_context, inference_params=inference_params,
+            packed_seq_params=packed_seq_params, output_processor=output_processor,
+            output_processor_context=output_processor_context)
+        if (extra_block_kwargs or {}).get("extract_layer_indices"):
+            raise ValueError("GPTModel.forward: extract_layer_indices in extra_block_kwargs is not supported "
+                             "(the decoder would return intermediate states instead of one tensor); "
+                             "call model.decoder with it instead")
         if decoder_input is None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, sequence], got shape {tuple(input_ids.shape)}")
@@ -135,14 +149,21 @@ class GPTModel(nn.Module):
                     f"sequence length {input_ids.size(1)} is not divisible by the tensor-parallel "
                     f"size {tp}, as sequence_parallel requires"
                 )
+            if padding_mask is not None and padding_mask.shape != input_ids.shape:
+                raise ValueError(f"padding_mask has shape {tuple(padding_mask.shape)}, expected input_ids' "
+                                 f"shape {tuple(input_ids.shape)}")
             decoder_input = self.embedding(input_ids, position_ids)
+            if padding_mask is not None and self.config.sequence_parallel:
+                # Each TP rank keeps the mask of its own tokens, as Megatron does.
+                padding_mask = scatter_to_sequence_parallel_region(
+                    padding_mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:
             seq_len = decoder_input.size(0) * (
                 parallel_state.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
             rotary_pos_emb = self.rotary_pos_emb(seq_len)
         hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                     **(extra_block_kwargs or {}))
+                                     padding_mask=padding_mask, **(extra_block_kwargs or {}))
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         if labels is None:
             logits, _ = self.output_layer(hidden_states, weight=weight,

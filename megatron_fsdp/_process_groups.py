@@ -1,0 +1,209 @@
+"""DeviceMesh and process-group construction behind megatron_fsdp.parallel_state.
+
+Kept apart from parallel_state so that module holds the state and Megatron's
+getters only. Nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+SUPPORTED_ORDER_DIMS = ("tp", "cp", "ep", "dp", "pp")
+
+# Flattened views built on every mesh, as (name, root dims it spans). Megatron
+# builds a group for each of these; so does every rank here, in this order.
+FLATTENED_DIMS = (
+    ("dp", ("dp_replicate", "dp_shard")),
+    ("dp_cp", ("dp_replicate", "dp_shard", "cp")),
+    ("dp_shard_cp", ("dp_shard", "cp")),
+    ("tp_cp", ("cp", "tp")),
+    ("tp_dp", ("dp_replicate", "dp_shard", "tp")),
+    ("tp_dp_cp", ("dp_replicate", "dp_shard", "cp", "tp")),
+)
+
+# gloo groups over the data-parallel ranks (Megatron's *_GLOO groups): the
+# flattened view whose ranks each one spans.
+GLOO_DIMS = ("dp", "dp_cp", "dp_shard_cp")
+
+# DeviceMeshes built so far, by (device type, shape, names).
+# DTensor caches sharding decisions keyed by mesh *equality*, so a DTensor op
+# after a re-initialization can be handed an earlier, equal mesh: its process
+# groups must still be alive. Re-initializing with a layout seen before
+# therefore reuses its mesh, and groups are never destroyed while the default
+# process group lives (torch frees them with it).
+_MESH_CACHE: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh]]] = {}
+_MESH_CACHE_OWNER: Optional[dist.ProcessGroup] = None  # the default group the cache belongs to
+_GLOO_CACHE: dict[tuple, dict[str, dist.ProcessGroup]] = {}  # gloo groups by layout, same owner
+
+
+def backend_device_type(backend: str) -> str:
+    # gloo moves CPU tensors, NCCL CUDA tensors; the mesh must match or every
+    # DTensor collective fails far from here.
+    backend = backend.lower()
+    if backend == "gloo":
+        return "cpu"
+    if backend in ("nccl", "cuda:nccl"):
+        return "cuda"
+    if "nccl" in backend:  # e.g. "cpu:gloo,cuda:nccl"
+        return "cuda"
+    raise ValueError(
+        f"unsupported torch.distributed backend {backend!r}: megatron_fsdp supports "
+        "'gloo' (CPU tensors) and 'nccl' (CUDA tensors)"
+    )
+
+
+def parse_order(order: str, sizes: dict[str, int]) -> list[str]:
+    if not isinstance(order, str):
+        raise TypeError(f"order must be a string like 'tp-cp-ep-dp-pp', got {order!r}")
+    names = order.lower().split("-")
+    unknown = [n for n in names if n not in SUPPORTED_ORDER_DIMS]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(
+            f"invalid order {order!r}: it must list distinct names from "
+            f"{'-'.join(SUPPORTED_ORDER_DIMS)} separated by '-'"
+        )
+    missing = [n for n, size in sizes.items() if size > 1 and n not in names]
+    if missing:
+        raise ValueError(
+            f"order {order!r} does not name {', '.join(missing)}, whose size is larger than 1"
+        )
+    return [n for n in names if n != "ep"] + [n for n in sizes if n not in names and n != "ep"]
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_parallel_size,
+                               virtual_pipeline_model_parallel_size, pipeline_model_parallel_split_rank,
+                               pipeline_model_parallel_comm_backend, use_sharp, context_parallel_size,
+                               hierarchical_context_parallel_sizes, expert_model_parallel_size,
+                               num_distributed_optimizer_instances, expert_tensor_parallel_size,
+                               nccl_communicator_config_path, distributed_timeout_minutes,
+                               encoder_tensor_model_parallel_size, encoder_pipeline_model_parallel_size,
+                               get_embedding_ranks, get_position_embedding_ranks,
+                               create_gloo_process_groups, world_size: int) -> int:
+    """Every check of initialize_model_parallel's arguments, made before any
+    group exists so a bad value raises on every rank; returns the data-parallel size."""
+    if isinstance(distributed_timeout_minutes, bool) or not isinstance(distributed_timeout_minutes, (int, float)) \
+            or distributed_timeout_minutes <= 0:
+        raise ValueError(f"distributed_timeout_minutes must be a positive number, got {distributed_timeout_minutes!r}")
+    if not isinstance(create_gloo_process_groups, bool):
+        raise ValueError(f"create_gloo_process_groups must be True or False, got {create_gloo_process_groups!r}")
+    for name, value in (
+        ("tensor_model_parallel_size", tensor_model_parallel_size),
+        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+        ("context_parallel_size", context_parallel_size),
+        ("expert_model_parallel_size", expert_model_parallel_size),
+        ("num_distributed_optimizer_instances", num_distributed_optimizer_instances),
+    ):
+        check_positive_int(name, value)
+    if pipeline_model_parallel_size != 1 or virtual_pipeline_model_parallel_size not in (None, 1):
+        raise NotImplementedError(
+            f"pipeline parallelism is not supported by megatron_fsdp: got "
+            f"pipeline_model_parallel_size={pipeline_model_parallel_size}, "
+            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} "
+            "(only 1 / None are allowed)"
+        )
+    if expert_model_parallel_size != 1 or expert_tensor_parallel_size not in (None, 1, tensor_model_parallel_size):
+        raise NotImplementedError(
+            f"expert parallelism is not supported by megatron_fsdp: got "
+            f"expert_model_parallel_size={expert_model_parallel_size}, "
+            f"expert_tensor_parallel_size={expert_tensor_parallel_size} (only 1 is allowed)"
+        )
+    unsupported = {
+        "pipeline_model_parallel_split_rank": (pipeline_model_parallel_split_rank, None),
+        "hierarchical_context_parallel_sizes": (hierarchical_context_parallel_sizes, None),
+        "encoder_tensor_model_parallel_size": (encoder_tensor_model_parallel_size, 0),
+        "encoder_pipeline_model_parallel_size": (encoder_pipeline_model_parallel_size, 0),
+        "use_sharp": (use_sharp, False),
+        # NCCL communicator options (a YAML file) are not applied to our groups.
+        "nccl_communicator_config_path": (nccl_communicator_config_path, None),
+        # There is no pipeline communication to give a backend to.
+        "pipeline_model_parallel_comm_backend": (pipeline_model_parallel_comm_backend, None),
+        "get_embedding_ranks": (get_embedding_ranks, None),
+        "get_position_embedding_ranks": (get_position_embedding_ranks, None),
+    }
+    for name, (value, default) in unsupported.items():
+        if value != default:
+            raise NotImplementedError(
+                f"{name}={value!r} is not supported by megatron_fsdp (only {default!r} is allowed)"
+            )
+
+    model_parallel = tensor_model_parallel_size * context_parallel_size
+    if world_size % model_parallel != 0:
+        raise RuntimeError(
+            f"world size ({world_size}) is not divisible by tensor_model_parallel_size "
+            f"({tensor_model_parallel_size}) x context_parallel_size ({context_parallel_size}) "
+            f"x pipeline_model_parallel_size ({pipeline_model_parallel_size})"
+        )
+    data_parallel_size = world_size // model_parallel
+    if data_parallel_size % num_distributed_optimizer_instances != 0:
+        raise RuntimeError(
+            f"data-parallel size ({data_parallel_size}) is not divisible by "
+            f"num_distributed_optimizer_instances ({num_distributed_optimizer_instances})"
+        )
+    return data_parallel_size
+
+
+def build_meshes(device_type: str, shape: tuple[int, ...],
+                 names: tuple[str, ...]) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
+    """The root mesh and every 1D view by name: the root's dims and FLATTENED_DIMS."""
+    global _MESH_CACHE_OWNER
+    default_group = dist.distributed_c10d._get_default_group()
+    if _MESH_CACHE_OWNER is not default_group:
+        _MESH_CACHE.clear()  # meshes of an earlier, destroyed default group
+        _GLOO_CACHE.clear()
+        _MESH_CACHE_OWNER = default_group
+    key = (device_type, shape, names)
+    if key in _MESH_CACHE:
+        return _MESH_CACHE[key]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    dim_meshes = {name: mesh[name] for name in names}
+    for flat, dims in FLATTENED_DIMS:
+        # DeviceMesh slices must list dims in the root mesh's order.
+        dim_meshes[flat] = mesh[tuple(sorted(dims, key=names.index))]._flatten(flat)
+    _MESH_CACHE[key] = (mesh, dim_meshes)
+    return mesh, dim_meshes
+
+
+def group_ranks(mesh_ranks: torch.Tensor, names: tuple[str, ...], dims: tuple[str, ...]) -> list[list[int]]:
+    """The ranks of every group spanning `dims` of a mesh: its rank tensor
+    with those dims moved last (in mesh order, as flattening orders them)."""
+    inner = sorted(dims, key=names.index)
+    outer = [n for n in names if n not in inner]
+    ranks = mesh_ranks.permute([names.index(n) for n in outer + inner])
+    return ranks.reshape(-1, math.prod(mesh_ranks.shape[names.index(n)] for n in inner)).tolist()
+
+
+def build_gloo_groups(mesh: DeviceMesh, dim_meshes: dict[str, DeviceMesh],
+                      names: tuple[str, ...]) -> dict[str, dist.ProcessGroup]:
+    """gloo groups over the ranks of each GLOO_DIMS view, created by every
+    rank for every group in the same order."""
+    key = (tuple(mesh.mesh.shape), names)
+    if key in _GLOO_CACHE:
+        return _GLOO_CACHE[key]
+    spans = dict(FLATTENED_DIMS)
+    groups = {}
+    built: list[tuple[list[list[int]], dist.ProcessGroup]] = []
+    for flat in GLOO_DIMS:
+        if dist.get_backend(dim_meshes[flat].get_group()) == "gloo":
+            groups[flat] = dim_meshes[flat].get_group()  # already a gloo group over these ranks
+            continue
+        rows = group_ranks(mesh.mesh, names, spans[flat])
+        members = sorted(sorted(row) for row in rows)
+        # Views that span the same ranks (dp and dp_cp without cp, say) share one group.
+        same = [group for other, group in built if other == members]
+        if same:
+            groups[flat] = same[0]
+            continue
+        groups[flat], _ = dist.new_subgroups_by_enumeration(rows, backend="gloo")
+        built.append((members, groups[flat]))
+    _GLOO_CACHE[key] = groups
+    return groups
