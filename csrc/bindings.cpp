@@ -17,32 +17,23 @@ namespace {
 
 // ---- device dispatch of the kernels ----
 
-bool on_cuda(const at::Tensor& t) {
-#ifdef MEGATRON_FSDP_WITH_CUDA
-  return t.is_cuda();
-#else
-  (void)t;
-  return false;
-#endif
-}
-
 void pack_into(at::TensorList inputs, const at::Tensor& out) {
 #ifdef MEGATRON_FSDP_WITH_CUDA
-  if (on_cuda(out)) return pack_into_cuda(inputs, out);
+  if (out.is_cuda()) return pack_into_cuda(inputs, out);
 #endif
   pack_into_cpu(inputs, out);
 }
 
 void split_copy_out(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
 #ifdef MEGATRON_FSDP_WITH_CUDA
-  if (on_cuda(src)) return split_copy_out_cuda(src, split_sizes, out);
+  if (src.is_cuda()) return split_copy_out_cuda(src, split_sizes, out);
 #endif
   split_copy_out_cpu(src, split_sizes, out);
 }
 
 void chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
 #ifdef MEGATRON_FSDP_WITH_CUDA
-  if (on_cuda(out)) return chunk_cat_cuda(tensors, num_chunks, out);
+  if (out.is_cuda()) return chunk_cat_cuda(tensors, num_chunks, out);
 #endif
   chunk_cat_cpu(tensors, num_chunks, out);
 }

@@ -148,7 +148,7 @@ void split_copy_out_cpu(const at::Tensor& src, at::IntArrayRef split_sizes, at::
   const int64_t n = static_cast<int64_t>(out.size());
   const int64_t src_item = src.element_size();
   const char* base = static_cast<const char*>(src.data_ptr());
-  const bool raw_src = !src.is_conj() && !src.is_neg();
+  const bool raw_src = is_plain(src);
   // One work item per output, all its rows: per-tensor overhead once, not per rank.
   parallel_with_caller_state(n, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {

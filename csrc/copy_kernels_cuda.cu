@@ -50,8 +50,7 @@ void run_plan_on_device(const CopyPlan& plan, const at::Tensor& anchor) {
   const c10::cuda::CUDAGuard guard(anchor.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   for (const CopyGroup& group : plan.groups) launch_group(group, anchor.device(), stream);
-  for (const auto& copy : plan.aten_copies) copy.first.copy_(copy.second);
-  for (const at::Tensor& zeros : plan.aten_zeros) zeros.zero_();
+  plan.run_aten_copies();
 }
 
 // A CUDA graph would capture the plan's upload from one host buffer and

@@ -60,14 +60,15 @@ bool CopyPlan::add(const void* src, at::ScalarType src_type, void* dst, at::Scal
   return true;
 }
 
-void CopyPlan::add_tensor_copy(const at::Tensor& dst_view, const at::Tensor& src, int64_t n_zero) {
+void CopyPlan::add_aten_copy(const at::Tensor& dst_view, const at::Tensor& src, int64_t n_zero) {
   const int64_t n = src.numel();
-  if (is_plain(src) &&
-      add(src.data_ptr(), src.scalar_type(), dst_view.data_ptr(), dst_view.scalar_type(), n, n_zero)) {
-    return;
-  }
   if (n > 0) aten_copies.emplace_back(dst_view.narrow(0, 0, n), src.reshape(-1));
   if (n_zero > 0) aten_zeros.push_back(dst_view.narrow(0, n, n_zero));
+}
+
+void CopyPlan::run_aten_copies() const {
+  for (const auto& copy : aten_copies) copy.first.copy_(copy.second);
+  for (const at::Tensor& zeros : aten_zeros) zeros.zero_();
 }
 
 namespace {
@@ -91,7 +92,7 @@ CopyPlan plan_pack_into(at::TensorList inputs, const at::Tensor& out, bool use_k
     if (n == 0) continue;
     if (!(is_plain(t) &&
           plan.add(t.data_ptr(), t.scalar_type(), byte_ptr(out) + offsets[i] * item, out.scalar_type(), n, 0))) {
-      plan.add_tensor_copy(out.narrow(0, offsets[i], n), t);
+      plan.add_aten_copy(out.narrow(0, offsets[i], n), t);
     }
   }
   return plan;
@@ -103,13 +104,15 @@ CopyPlan plan_split_copy_out(const at::Tensor& src, at::IntArrayRef split_sizes,
   CopyPlan plan;
   plan.use_kernel = use_kernel;
   const int64_t world = src.size(0), total = src.size(1), item = src.element_size();
+  const bool raw_src = is_plain(src);
   for (size_t i = 0; i < out.size(); ++i) {
     const at::Tensor& o = out[i];
     const int64_t len = split_sizes[i];
     if (len == 0) continue;
     // One segment per output: its `world` rows, src rows `total` apart.
-    if (!(o.stride(1) == 1 && !src.is_conj() && !src.is_neg() && plan.add(byte_ptr(src) + offsets[i] * item, src.scalar_type(), o.data_ptr(),
-                                       o.scalar_type(), len, 0, world, total, o.stride(0)))) {
+    if (!(raw_src && o.stride(1) == 1 && plan.add(byte_ptr(src) + offsets[i] * item, src.scalar_type(),
+                                                  o.data_ptr(), o.scalar_type(), len, 0, world, total,
+                                                  o.stride(0)))) {
       plan.aten_copies.emplace_back(o, src.narrow(1, offsets[i], len));
     }
   }
@@ -127,15 +130,14 @@ CopyPlan plan_chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Te
     if (chunk_numel == 0) continue;
     for (int64_t r = 0; r < num_chunks; ++r) {
       const int64_t valid = layout.valid(i, r);
-      const int64_t first = layout.first_row(i, r) * layout.inner[i];
+      const int64_t first_row = layout.first_row(i, r);
       char* dst = byte_ptr(out) + (r * layout.row_numel + layout.col_offset[i]) * item;
-      if (is_plain(t) && plan.add(byte_ptr(t) + first * t.element_size(), t.scalar_type(), dst,
-                                        out.scalar_type(), valid, chunk_numel - valid)) {
+      if (is_plain(t) && plan.add(byte_ptr(t) + first_row * layout.inner[i] * t.element_size(), t.scalar_type(),
+                                  dst, out.scalar_type(), valid, chunk_numel - valid)) {
         continue;
       }
-      const at::Tensor rows = t.narrow(0, layout.first_row(i, r), valid / layout.inner[i]);
-      plan.add_tensor_copy(out.select(0, r).narrow(0, layout.col_offset[i], chunk_numel), rows,
-                           chunk_numel - valid);
+      plan.add_aten_copy(out.select(0, r).narrow(0, layout.col_offset[i], chunk_numel),
+                         t.narrow(0, first_row, valid / layout.inner[i]), chunk_numel - valid);
     }
   }
   return plan;
@@ -160,8 +162,7 @@ void run_plan_on_host(const CopyPlan& plan) {
       }
     });
   }
-  for (const auto& copy : plan.aten_copies) copy.first.copy_(copy.second);
-  for (const at::Tensor& zeros : plan.aten_zeros) zeros.zero_();
+  plan.run_aten_copies();
 }
 
 void require_cpu(const at::Tensor& t, const char* op) {

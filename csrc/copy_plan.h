@@ -61,11 +61,14 @@ struct CopyPlan {
 
   // Adds, for each of `rows` rows, dst[0:n_copy] = cast(src[0:n_copy]), then
   // n_zero zeros; row k starts k * row stride elements on. Returns false,
-  // adding nothing, when the kernels do not take this dtype pair.
+  // adding nothing, when the kernels do not take this dtype pair or the plan
+  // is for ATen only (use_kernel false).
   bool add(const void* src, at::ScalarType src_type, void* dst, at::ScalarType dst_type, int64_t n_copy,
            int64_t n_zero, int64_t rows = 1, int64_t src_row_stride = 0, int64_t dst_row_stride = 0);
-  // Adds a copy, through the kernel when the kernel can take it.
-  void add_tensor_copy(const at::Tensor& dst_view, const at::Tensor& src, int64_t n_zero = 0);
+  // Adds a copy (and its padding) for ATen's copy_, whatever the kernels take.
+  void add_aten_copy(const at::Tensor& dst_view, const at::Tensor& src, int64_t n_zero = 0);
+  // Runs aten_copies and aten_zeros: the part of a plan no kernel launch covers.
+  void run_aten_copies() const;
 };
 
 // Plans of the three ops (arguments checked first: see copy_kernels.h).

@@ -127,21 +127,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _write_durable(path: str, write) -> None:
+    """`write(file)`, then flushed and fsynced: on disk before the caller renames it."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_durable(tmp, lambda f: f.write(data))
     os.replace(tmp, path)
     _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _torch_save_durable(obj, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _layout() -> dict:
@@ -268,13 +266,14 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
         error = exc
     if error is None:
         try:
-            _torch_save_durable(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+            rng_state = _rng_state()
+            _write_durable(os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"), lambda f: torch.save(rng_state, f))
             if _rank() == 0:
                 common = {"iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION,
                           "layout": _layout(),
                           "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
                           "extra_state": extra_state or {}}
-                _torch_save_durable(common, os.path.join(tmp, "common.pt"))
+                _write_durable(os.path.join(tmp, "common.pt"), lambda f: torch.save(common, f))
         except Exception as exc:
             error = exc
     if not _all_ranks_ok(error is None):
