@@ -33,6 +33,7 @@ from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.kernels import fsdp_copy_ops
 from megatron_fsdp.models.gpt import GPTModel
+from megatron_fsdp.training.initialize import distributed_job
 from megatron_fsdp.transformer import TransformerConfig, TransformerLayer
 
 
@@ -89,74 +90,73 @@ def main():
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("nccl" if cuda else "gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    device = parallel_state.get_device()
-    config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                               tensor_model_parallel_size=args.tp, hidden_dropout=0.0, attention_dropout=0.0,
-                               sequence_parallel=args.tp > 1)
+    with distributed_job():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+        device = parallel_state.get_device()
+        config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                                   tensor_model_parallel_size=args.tp, hidden_dropout=0.0, attention_dropout=0.0,
+                                   sequence_parallel=args.tp > 1)
 
-    wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
-    if args.compare == "raw-fully-shard":
-        baseline_name, baseline = "raw_fully_shard", shard_by_hand(build(args, config))
-    else:
-        baseline_name = "torch_copy_ops"
-        baseline = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
-    arms = {}
-    for name, model in (("wrapper", wrapped), (baseline_name, baseline)):
-        arms[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
+        if args.compare == "raw-fully-shard":
+            baseline_name, baseline = "raw_fully_shard", shard_by_hand(build(args, config))
+        else:
+            baseline_name = "torch_copy_ops"
+            baseline = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
+        arms = {}
+        for name, model in (("wrapper", wrapped), (baseline_name, baseline)):
+            arms[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-    def select_copy_ops(name):
-        if args.compare == "copy-kernels":
-            if name == "wrapper":
-                fsdp_copy_ops.enable_fsdp_copy_kernels()
-            else:
-                fsdp_copy_ops.disable_fsdp_copy_kernels()
+        def select_copy_ops(name):
+            if args.compare == "copy-kernels":
+                if name == "wrapper":
+                    fsdp_copy_ops.enable_fsdp_copy_kernels()
+                else:
+                    fsdp_copy_ops.disable_fsdp_copy_kernels()
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
-    positions = torch.arange(args.seq, device=device).expand(args.micro_batch, -1)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
+        positions = torch.arange(args.seq, device=device).expand(args.micro_batch, -1)
 
-    def step(model, optimizer):
-        loss = model(ids, positions, None, labels=ids).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        def step(model, optimizer):
+            loss = model(ids, positions, None, labels=ids).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
 
-    def timed(name):
-        select_copy_ops(name)
-        model, optimizer = arms[name]
+        def timed(name):
+            select_copy_ops(name)
+            model, optimizer = arms[name]
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps_per_round):
+                step(model, optimizer)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            return (time.perf_counter() - start) / args.steps_per_round
+
+        for name in arms:  # warm-up, and optimizer state exists for the memory count
+            select_copy_ops(name)
+            step(*arms[name])
+        times = {name: [] for name in arms}
+        for _ in range(args.rounds):
+            for name in arms:
+                times[name].append(timed(name))
+        result = {
+            "world_size": dist.get_world_size(), "tp": args.tp,
+            "dp": parallel_state.get_data_parallel_world_size(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "step_ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
+            "memory_per_rank": {name: memory(*arms[name]) for name in arms},
+        }
+        result["wrapper_over_baseline"] = result["step_ms"]["wrapper"] / result["step_ms"][baseline_name]
         if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps_per_round):
-            step(model, optimizer)
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        return (time.perf_counter() - start) / args.steps_per_round
-
-    for name in arms:  # warm-up, and optimizer state exists for the memory count
-        select_copy_ops(name)
-        step(*arms[name])
-    times = {name: [] for name in arms}
-    for _ in range(args.rounds):
-        for name in arms:
-            times[name].append(timed(name))
-    result = {
-        "world_size": dist.get_world_size(), "tp": args.tp,
-        "dp": parallel_state.get_data_parallel_world_size(),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "step_ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
-        "memory_per_rank": {name: memory(*arms[name]) for name in arms},
-    }
-    result["wrapper_over_baseline"] = result["step_ms"]["wrapper"] / result["step_ms"][baseline_name]
-    if cuda:
-        result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
-    if dist.get_rank() == 0:
-        print(json.dumps(result), flush=True)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+            result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        if dist.get_rank() == 0:
+            print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,12 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_fsdp import parallel_state, tensor_parallel
-from megatron_fsdp.checkpointing import load_checkpoint, read_latest_iteration, save_checkpoint
+from megatron_fsdp.training.checkpointing import load_checkpoint, read_latest_iteration, save_checkpoint
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_fsdp.tensor_parallel.utils import local_tensor
+from megatron_fsdp.training.initialize import distributed_job
 from megatron_fsdp.training.mock_data import MockGPTDataset
 from megatron_fsdp.transformer import TransformerConfig
 
@@ -306,7 +307,7 @@ def main(argv=None) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group(backend)
-    try:
+    with distributed_job():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
@@ -316,9 +317,6 @@ def main(argv=None) -> None:
                       f"{args.tensor_model_parallel_size} x data-parallel "
                       f"{parallel_state.get_data_parallel_world_size()} on {parallel_state.get_device_type()}")
         train(args)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

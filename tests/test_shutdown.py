@@ -1,0 +1,40 @@
+"""Issue 12: finished runs exit 0; a failed run ends promptly with its own error.
+
+Each case runs tests/shutdown_cycles.py, which forks whole 4-process jobs from
+one interpreter (torch is imported once) and reports every process's exit.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cycles(*args: str, timeout: float) -> list[dict]:
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "shutdown_cycles.py"), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"the driver failed: {proc.returncode}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])["statuses"]
+
+
+def test_thirty_finished_four_rank_jobs_all_exit_zero():
+    statuses = _cycles("--cycles", "30", "--world-size", "4", timeout=300)
+    assert len(statuses) == 120
+    bad = [s for s in statuses if s["exit"] != 0 or "terminate called" in s["log"]]
+    assert not bad, f"{len(bad)} of 120 processes did not exit cleanly; first: {bad[0]}"
+
+
+def test_a_failing_rank_ends_the_job_promptly_with_its_own_error():
+    start = time.monotonic()
+    statuses = _cycles("--cycles", "1", "--world-size", "4", "--fail-rank", "1", timeout=120)
+    elapsed = time.monotonic() - start
+    by_rank = {s["rank"]: s for s in statuses}
+    assert by_rank[1]["exit"] != 0
+    assert "ValueError: injected failure on rank 1" in by_rank[1]["log"], by_rank[1]["log"]
+    # The peers were waiting for rank 1 in a collective: they fail too, instead
+    # of hanging until the 60 s process-group timeout.
+    assert all(by_rank[r]["exit"] != 0 for r in (0, 2, 3)), statuses
+    assert elapsed < 50, f"the failed job took {elapsed:.0f} s to end"
