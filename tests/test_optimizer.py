@@ -1,4 +1,4 @@
-"""get_megatron_optimizer and OptimizerParamScheduler on their own."""
+"""get_megatron_optimizer and OptimizerParamScheduler on their own (more: test_optimizer_param_scheduler.py)."""
 
 import math
 
@@ -35,9 +35,15 @@ def test_optimizer_groups_step_protocol_and_clipping():
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(lr=None), ValueError, "lr must be a positive number"),
     (dict(lr=1.0, optimizer="lamb"), ValueError, "got 'lamb'"),
-    (dict(lr=1.0, fp16=True), NotImplementedError, "fp16=True"),
     (dict(lr=1.0, clip_grad=-1.0), ValueError, "clip_grad must be >= 0"),
-    (dict(lr=1.0, params_dtype=torch.float16), ValueError, "params_dtype must be one of"),
+    (dict(lr=1.0, params_dtype=torch.int8), ValueError, "params_dtype must be one of"),
+    (dict(lr=1.0, params_dtype=torch.float16), ValueError, "params_dtype=torch.float16 needs fp16=True"),
+    (dict(lr=1.0, fp16=True, bf16=True), ValueError, "fp16 and bf16 cannot both be True"),
+    (dict(lr=1.0, loss_scale=128.0), ValueError, "loss_scale=128.0 needs fp16=True or bf16=True"),
+    (dict(lr=1.0, fp16=True, loss_scale=0), ValueError, "loss_scale must be a positive number"),
+    (dict(lr=1.0, fp16=True, min_loss_scale=2.0 ** 40), ValueError, r"min_scale \(1099511627776.0\) must not exceed"),
+    (dict(lr=1.0, fp16=True, hysteresis=0), ValueError, "hysteresis must be a positive integer, got 0"),
+    (dict(lr=1.0, fp16=True, loss_scale_window=0.5), ValueError, "growth_interval must be a positive integer"),
 ])
 def test_optimizer_config_rejects(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -109,10 +115,9 @@ def test_scheduler_warmup_then_cosine_and_state_round_trip():
     other.load_state_dict(sched.state_dict())
     assert other.num_steps == 12 and opt.param_groups[0]["lr"] == 0.1
     mismatched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=2.0, min_lr=0.1, lr_warmup_steps=2,
-                                         lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0)
-    with pytest.raises(ValueError, match="max_lr=1.0 differs from this run's 2.0"):
+                                         lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                         use_checkpoint_opt_param_scheduler=False)
+    with pytest.raises(ValueError, match=r"max_lr \(learning rate\) is 2.0 but the checkpoint's is 1.0"):
         mismatched.load_state_dict(sched.state_dict())
     with pytest.raises(ValueError, match="lr_decay_style must be one of"):
         OptimizerParamScheduler(opt, 0.0, 1.0, 0.0, 0, 10, "step", 0.0, 0.0)
-    with pytest.raises(NotImplementedError, match="weight-decay increments"):
-        OptimizerParamScheduler(opt, 0.0, 1.0, 0.0, 0, 10, "linear", 0.0, 0.1)
