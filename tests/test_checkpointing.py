@@ -11,8 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import full_params, make_config, setup_parallel
-from megatron_fsdp import checkpointing, parallel_state
-from megatron_fsdp.checkpointing import CheckpointError, load_checkpoint, read_latest_iteration, save_checkpoint
+from megatron_fsdp import parallel_state
+from megatron_fsdp.dist_checkpointing import publish, torch_dcp
+from megatron_fsdp.training import checkpointing
+from megatron_fsdp.training.checkpointing import (CheckpointError, load_checkpoint, read_latest_iteration,
+                                                  save_checkpoint)
 from megatron_fsdp.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallel
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -112,18 +115,19 @@ def _case_crash_safety(ckpt):
     expected = full_params(model.module)
     _train(model, optimizer, scheduler, 2, 2)
 
-    # Rank 1 dies after DCP wrote the shards: every rank reports it, nothing is published.
+    # Rank 1 fails to write: every rank reports which rank and why, nothing is published.
     real_save = torch.save
     def failing_save(obj, f, *args, **kwargs):
         if dist.get_rank() == 1:
             raise OSError("disk full (injected)")
         return real_save(obj, f, *args, **kwargs)
-    checkpointing.torch.save = failing_save
+    torch.save = failing_save
     try:
-        with pytest.raises(CheckpointError, match="the previous checkpoint is kept"):
+        with pytest.raises(CheckpointError, match="the previous checkpoint is kept") as failure:
             save_checkpoint(2, model, optimizer, scheduler, ckpt)
     finally:
-        checkpointing.torch.save = real_save
+        torch.save = real_save
+    assert "rank 1: OSError: disk full (injected)" in str(failure.value), str(failure.value)
     dist.barrier()
     assert read_latest_iteration(ckpt) == 1
     assert not os.path.exists(os.path.join(ckpt, "iter_0000002"))
@@ -157,7 +161,7 @@ def _case_load_error(ckpt, case):
         model, optimizer, scheduler = _build(2, fsdp=True, hidden_size=48)
     else:
         model, optimizer, scheduler = _build(2, fsdp=True)
-    load_checkpoint(model, optimizer, scheduler, ckpt)
+    load_checkpoint(model, optimizer, scheduler, ckpt, verify=case != "truncated_unverified")
 
 
 def _case_damage(ckpt, how):
@@ -174,28 +178,28 @@ def _case_damage(ckpt, how):
 
 
 @pytest.mark.parametrize("case,match", [
-    ("empty_dir", "no checkpoint in"),
     ("mismatched_model", "does not fit the model"),
-    ("truncated", "is incomplete or corrupt"),
+    ("truncated", "is corrupt: a file differs from what was saved"),
+    ("truncated_unverified", "is incomplete or corrupt"),
     ("tracker_to_missing", "iter_0000007 is missing or incomplete"),
 ])
 def test_bad_checkpoints_raise_clear_errors_on_every_rank(pools, trained_checkpoint, tmp_path, case, match):
     ckpt, _ = trained_checkpoint
     pool = pools(4)
-    if case == "empty_dir":
-        ckpt = str(tmp_path)
-    elif case in ("truncated", "tracker_to_missing"):
+    if case.startswith("truncated") or case == "tracker_to_missing":
         copy = str(tmp_path / "copy")
         import shutil
         shutil.copytree(ckpt, copy)
         ckpt = copy
-        pool.run(_case_damage, ckpt, "truncate" if case == "truncated" else "tracker")
+        pool.run(_case_damage, ckpt, "tracker" if case == "tracker_to_missing" else "truncate")
     errors = pool.run_expecting_errors(_case_load_error, ckpt, case)
     for e in errors:
         assert e.type_name == "CheckpointError" and match in e.message, f"rank {e.rank}: {e.type_name}: {e.message}"
     if case == "mismatched_model":
         assert "checkpoint has shape [64, 32], model has [64, 48]" in errors[0].message
-    if case == "truncated":  # DCP's per-rank failures, one line each
+    if case == "truncated":  # the checksum check names the file
+        assert all(re.search(r"__\d_\d\.distcp: \d+ bytes, \d+ were written", e.message) for e in errors), errors[0].message
+    if case == "truncated_unverified":  # DCP's per-rank failures, one line each
         assert all(re.search(r"rank \d: \w+(Error|Exception)", e.message) for e in errors), errors[0].message
 
 
@@ -203,8 +207,8 @@ def _case_missing_state(ckpt):
     model, optimizer, scheduler = _build(1, fsdp=True)
     save_checkpoint(1, model, None, None, ckpt)  # Megatron's --no-save-optim
     path = os.path.join(ckpt, "iter_0000001")
-    real_load, collective_loads = checkpointing.dcp.load, []
-    checkpointing.dcp.load = lambda *a, **k: collective_loads.append(1) or real_load(*a, **k)
+    real_load, collective_loads = torch_dcp.dcp.load, []
+    torch_dcp.dcp.load = lambda *a, **k: collective_loads.append(1) or real_load(*a, **k)
     try:
         with pytest.raises(CheckpointError, match=re.escape(path) + " holds no optimizer state.*--no-load-optim"):
             load_checkpoint(model, optimizer, scheduler, ckpt)
@@ -216,13 +220,13 @@ def _case_missing_state(ckpt):
         if dist.get_rank() == 0:
             os.remove(os.path.join(path, "rng", "rank_00001.pt"))
         dist.barrier()
-        expected = "has no RNG state for rank 1.*--no-load-rng" if dist.get_rank() == 1 else "on another rank"
-        with pytest.raises(CheckpointError, match=expected):
-            load_checkpoint(model, optimizer, scheduler, ckpt, load_optim=False)
+        # Every rank names the rank without RNG state (the checksums would name the missing file first).
+        with pytest.raises(CheckpointError, match="rank 1: .*has no RNG state for rank 1.*--no-load-rng"):
+            load_checkpoint(model, optimizer, scheduler, ckpt, load_optim=False, verify=False)
         assert len(collective_loads) == 1
-        assert not load_checkpoint(model, None, None, ckpt, load_rng=False)["rng_restored"]
+        assert not load_checkpoint(model, None, None, ckpt, load_rng=False, verify=False)["rng_restored"]
     finally:
-        checkpointing.dcp.load = real_load
+        torch_dcp.dcp.load = real_load
 
 
 def test_missing_optimizer_scheduler_or_rng_state_is_named_before_loading(pools, tmp_path):
@@ -320,7 +324,7 @@ def test_resave_keeps_a_loadable_checkpoint_at_every_moment(tmp_path, monkeypatc
 
     # A restarted run's first save puts the set-aside copy back and removes
     # what earlier runs left, but not a save of its own in progress.
-    monkeypatch.setattr(checkpointing, "_RUN_ID", "a1ater0n")
+    monkeypatch.setattr(publish, "_RUN_ID", "a1ater0n")
     in_progress = "iter_0000009.tmp-a1ater0n-0"
     for name in ("iter_0000009.tmp-0badc0de-1", "iter_0000009.tmp-killed", in_progress):
         os.makedirs(os.path.join(ckpt, name))

@@ -1,0 +1,17 @@
+"""Sharded checkpoints over torch.distributed.checkpoint (Megatron-Core's package name).
+
+core: CheckpointError and the collectives that give every rank one verdict.
+publish: durable writes and the atomic publish of a checkpoint directory.
+checksums: crc32 of every file, computed while writing; the manifest; verification.
+vocab_padding: vocabulary rows loaded across a different padding.
+torch_dcp: the sharded save/load of model, optimizer and fp32 main params.
+export: the full weights as one safetensors file.
+
+Training-level checkpoints (tracker, iteration directories, RNG states) are
+megatron_fsdp.training.checkpointing.
+"""
+
+from .core import CheckpointError
+from .export import export_safetensors
+
+__all__ = ["CheckpointError", "export_safetensors"]

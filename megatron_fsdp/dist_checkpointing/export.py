@@ -1,0 +1,97 @@
+"""Export of the full, unsharded weights to one safetensors file."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from . import core
+from .core import CheckpointError
+from .publish import fsync_dir
+from .torch_dcp import unwrap
+
+
+def _all_ok(ok: bool) -> bool:
+    return all(core.all_gather(ok))
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+@torch.no_grad()
+def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.float32) -> None:
+    """Write the full, unsharded weights to one safetensors file on rank 0.
+
+    Parameters are gathered one at a time and streamed to the file (the
+    header is computed from the global shapes up front), so no rank holds
+    more than one full parameter beyond its shards. Written aside and renamed.
+
+    A gated MLP's `linear_fc1` weight (and bias) is written in Megatron's
+    TP=1 layout, `[gate; up]`: the gate rows, then the up rows, which is what
+    Megatron-to-HF converters split in halves. (In the model its rows
+    alternate gate, up, gate, up: see megatron_fsdp.transformer.mlp.MLP.)
+    """
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
+    from ..transformer.mlp import MLP
+
+    inner = unwrap(model)
+    state = inner.state_dict()
+    interleaved = {f"{name}.linear_fc1.{p}".lstrip(".") for name, m in inner.named_modules()
+                   if isinstance(m, MLP) and m.gated for p in ("weight", "bias")}
+    header, offset = {}, 0
+    for name, t in state.items():
+        nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt", "producer": "megatron_fsdp"}
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # keep the data 8-byte aligned
+
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if core.rank() == 0 else None
+    error, f = None, None
+    try:
+        if tmp is not None:
+            f = open(tmp, "wb")
+            f.write(len(header_bytes).to_bytes(8, "little"))
+            f.write(header_bytes)
+    except OSError as exc:
+        error, f = exc, None
+    for name, t in state.items():
+        # Every rank joins every gather, even after a write failed on rank 0,
+        # so that no rank is left waiting in a collective.
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if name in interleaved:
+            full = torch.cat([full[0::2], full[1::2]])
+        if f is not None:
+            try:
+                f.write(full.detach().to("cpu", dtype).contiguous().view(torch.uint8).numpy().tobytes())
+            except OSError as exc:
+                error = exc
+                f.close()
+                f = None
+        del full
+    if f is not None:
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as exc:
+            error = exc
+        finally:
+            f.close()
+    if not _all_ok(error is None):
+        if tmp and os.path.exists(tmp):
+            os.remove(tmp)
+        raise CheckpointError(f"exporting {path} failed: {error or 'on another rank'}") from error
+    if tmp:
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if core.is_distributed():
+        dist.barrier()

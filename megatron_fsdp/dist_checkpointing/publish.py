@@ -1,0 +1,108 @@
+"""Durable writes and the atomic publish of a checkpoint directory.
+
+A directory is written under `<final>.tmp-<run>-<id>` and renamed to
+`<final>` only once complete; re-publishing an existing `<final>` first sets
+the old copy aside as `<final>.old-<run>-<id>` (readers fall back to it) and
+removes it last. Every rename is followed by an fsync of the parent
+directory, without which POSIX does not promise the rename survives a crash.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import uuid
+from typing import Callable, Optional
+
+# Names this process's temporary and set-aside directories. Only rank 0
+# creates them, so it identifies the job: a later run (or a restart) can tell
+# what earlier runs' crashed saves left from what its own saves hold.
+_RUN_ID = uuid.uuid4().hex[:8]
+_ASIDE = re.compile(r"(.+?)\.(tmp|old)-(.+)")
+
+
+def fsync_dir(path: str) -> None:
+    """Make renames and new entries in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Filesystems that cannot sync a directory offer nothing stronger to ask for.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """`data` to `path`, flushed and fsynced: on disk before the caller renames it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Replace `path` with `data`: readers see the old or the new file, never a part."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    write_durable(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def temp_dir_for(final: str) -> str:
+    return f"{final}.tmp-{_RUN_ID}-{uuid.uuid4().hex[:8]}"
+
+
+def set_aside_copies(final: str) -> list[str]:
+    """Complete-looking set-aside copies of `final` (a re-publish between, or
+    crashed between, its two renames), newest last."""
+    parent, name = os.path.split(final)
+    found = [os.path.join(parent, e) for e in os.listdir(parent) if e.startswith(f"{name}.old-")]
+    return sorted(found, key=os.path.getmtime)
+
+
+def clean_stale(parent: str, is_complete: Callable[[str], bool]) -> None:
+    """Remove what crashed publishes of earlier runs left in `parent` (call on
+    one rank). This run's own names belong to a save in progress. A set-aside
+    copy whose final directory is missing is the only copy (the crash came
+    between the two renames of a re-publish): it is put back."""
+    for entry in sorted(os.listdir(parent)):
+        match = _ASIDE.fullmatch(entry)
+        path = os.path.join(parent, entry)
+        if match is None or not os.path.isdir(path) or match.group(3).startswith(f"{_RUN_ID}-"):
+            continue
+        final = os.path.join(parent, match.group(1))
+        if match.group(2) == "old" and not os.path.exists(final) and is_complete(path):
+            os.replace(path, final)
+            fsync_dir(parent)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def publish(tmp: str, final: str, then: Optional[Callable[[], None]] = None) -> None:
+    """Rename the finished `tmp` to `final`, run `then` (the tracker update),
+    and only then remove the set-aside old copy, so there is no moment
+    without a complete copy under a name readers look for."""
+    parent = os.path.dirname(final) or "."
+    for sub in sorted(os.listdir(tmp)):
+        if os.path.isdir(os.path.join(tmp, sub)):
+            fsync_dir(os.path.join(tmp, sub))
+    fsync_dir(tmp)
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old-{_RUN_ID}-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    fsync_dir(parent)
+    if then is not None:
+        then()
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

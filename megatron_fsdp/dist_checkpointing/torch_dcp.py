@@ -1,0 +1,96 @@
+"""The sharded save/load of model, optimizer and fp32 main params with
+torch.distributed.checkpoint: each rank writes its own shards, and loading
+reads whatever shards the current layout needs (TP=2 x DP=2 saved, TP=1,
+TP=4 or one process loaded), across vocabulary padding too."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from . import vocab_padding
+from .checksums import ChecksumFileSystemWriter
+from .core import CheckpointError, describe
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    from ..distributed.data_parallel_base import _BaseDataParallel
+
+    return model.module if isinstance(model, _BaseDataParallel) else model
+
+
+def _inner_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _optimizer_owner(inner: nn.Module, optimizer) -> nn.Module:
+    # With fp32 main params the optimizer steps those, not the model's
+    # parameters: DCP names its state through a mirror holding them.
+    return optimizer.main_params_module(inner) if hasattr(optimizer, "main_params_module") else inner
+
+
+def sharded_state(model: nn.Module, optimizer=None, main_params: bool = True) -> dict:
+    """{"model", "optimizer", "main_params"}: DTensor shards, as DCP saves and loads them."""
+    inner = unwrap(model)
+    state = {"model": get_model_state_dict(inner)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(_optimizer_owner(inner, optimizer),
+                                                      _inner_optimizer(optimizer))
+        if main_params and getattr(optimizer, "has_main_params", False):
+            state["main_params"] = optimizer.main_params_state_dict(inner)
+    return state
+
+
+def save_sharded(state: dict, path: str, checksums: Optional[dict]) -> None:
+    """Every rank writes its shards into `path`; the crc32 of each file this
+    rank wrote goes into `checksums` (None: no checksums). A failure on any
+    rank raises DCP's CheckpointException on every rank."""
+    if checksums is None:
+        dcp.save(state, checkpoint_id=path)
+    else:
+        dcp.save(state, storage_writer=ChecksumFileSystemWriter(path, checksums))
+
+
+def read_metadata(path: str) -> dict:
+    try:
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read its "
+                              f"metadata ({exc})") from exc
+
+
+def prepare_load(path: str, model: nn.Module, optimizer, saved: dict, saved_vocab: Optional[int],
+                 true_vocab_size: Optional[int]) -> tuple[dict, dict]:
+    """The state to load into and the tensors to read partially (vocabulary
+    rows across padding); raises CheckpointError when the checkpoint does not fit."""
+    state = sharded_state(model, optimizer, main_params=any(k.startswith("main_params.") for k in saved))
+    rows = vocab_padding.plan_rows(path, saved, state, vocab_padding.vocab_param_names(unwrap(model)),
+                                   saved_vocab, true_vocab_size)
+    return state, rows
+
+
+def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict) -> None:
+    """Read the shards into `state` (collective), then into the model and optimizer."""
+    if rows:
+        vocab_padding.zero_fill(state, vocab_padding.vocab_param_names(unwrap(model)), rows)
+    try:
+        dcp.load(state, checkpoint_id=path, planner=vocab_padding.RowsLoadPlanner(rows))
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {describe(exc)}") from exc
+    inner = unwrap(model)
+    set_model_state_dict(inner, state["model"], options=StateDictOptions(strict=True))
+    if optimizer is not None and "main_params" not in state and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()
+    if "optimizer" in state:
+        set_optimizer_state_dict(_optimizer_owner(inner, optimizer), _inner_optimizer(optimizer),
+                                 state["optimizer"])

@@ -1,0 +1,323 @@
+"""Training checkpoints (Megatron's --ckpt-format torch_dcp): save and load
+model, optimizer, LR scheduler, RNG states, iteration and the caller's
+training state.
+
+Layout, Megatron's names:
+
+    <save>/latest_checkpointed_iteration.txt     the tracker, written last
+    <save>/iter_0000100/                          one checkpoint
+        .metadata, __*_*.distcp                   DCP: model + optimizer, every rank its shards
+        common.pt                                 iteration, scheduler, layout, vocabulary, extra state
+        rng/rank_00003.pt                         each rank's RNG states
+        checksums.json                            crc32 and size of every file above
+
+A checkpoint is written into `iter_XXXXXXX.tmp-<run>-<id>` and published by
+rename once every rank finished writing and rank 0 wrote the checksum
+manifest; the tracker is replaced after that (see dist_checkpointing.publish).
+A save that dies part-way leaves the previous checkpoint as the latest.
+
+Loading: rank 0 alone reads the tracker and the manifest and broadcasts what
+it found, so every rank loads the same iteration; the ranks split the
+checksum verification; every check that can fail runs before any data is
+read, and every rank raises the same CheckpointError. DCP then reads the
+shards the current layout needs (any TP x DP, across vocabulary padding
+given the true vocabulary size). RNG states are restored only when the
+layout is the one saved.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import shutil
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .. import parallel_state
+from ..dist_checkpointing import checksums, core, publish, torch_dcp
+from ..dist_checkpointing.core import CheckpointError
+from ..dist_checkpointing.export import export_safetensors
+from ..dist_checkpointing.vocab_padding import vocab_param_names
+from ..tensor_parallel import random as tp_random
+
+__all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "export_safetensors", "load_checkpoint",
+           "read_latest_iteration", "save_checkpoint"]
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CKPT_FORMAT = "torch_dcp"
+_FORMAT_VERSION = 2
+_COMMON = "common.pt"
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _layout() -> dict:
+    if not parallel_state.model_parallel_is_initialized():
+        return {"world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1}
+    return {
+        "world_size": core.world_size(),
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+        "num_distributed_optimizer_instances": parallel_state.get_num_distributed_optimizer_instances(),
+    }
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch_cpu": torch.get_rng_state(),
+             "tracker": tp_random.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch_cpu"])
+    tp_random.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _rng_name(rank: int) -> str:
+    return os.path.join("rng", f"rank_{rank:05d}.pt")
+
+
+def _serialized(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, _COMMON))
+
+
+# ---------------------------------------------------------------------- save
+
+
+def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_scheduler=None,
+                    save_dir: str = None, *, extra_state: Optional[dict] = None,
+                    true_vocab_size: Optional[int] = None, record_checksums: bool = True) -> str:
+    """Save model, optimizer, scheduler, RNG states, `iteration` and
+    `extra_state` under `save_dir`; every rank writes its own shards and
+    must call this. Returns the checkpoint's path.
+
+    `extra_state` holds the caller's training state as plain Python values
+    (consumed samples, args as a dict, ...; it is loaded with
+    torch.load(weights_only=True)) and comes back as load_checkpoint's
+    "extra_state". `true_vocab_size` is the vocabulary before padding: with
+    it recorded, a load at another TP size (another padding) works.
+    `record_checksums=False` writes no checksum manifest (for measurements).
+    A failure on any rank raises CheckpointError on every rank, naming the
+    rank and the reason; the previous checkpoint stays the latest.
+    """
+    if not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"iteration must be a non-negative int, got {iteration!r}")
+    if not save_dir:
+        raise ValueError("save_dir is required")
+    if true_vocab_size is not None and (not isinstance(true_vocab_size, int) or true_vocab_size < 1):
+        raise ValueError(f"true_vocab_size must be a positive int, got {true_vocab_size!r}")
+    final = checkpoint_dir(save_dir, iteration)
+    tmp, setup_error = None, None
+    if core.rank() == 0:
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            publish.clean_stale(save_dir, _is_complete)
+            tmp = publish.temp_dir_for(final)
+            # Before any rank writes into it: the broadcast below orders the two.
+            os.makedirs(os.path.join(tmp, "rng"))
+        except OSError as exc:
+            setup_error = f"{type(exc).__name__}: {exc}"
+    tmp, setup_error = core.broadcast_from_rank0((tmp, setup_error))
+    if setup_error:
+        raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {setup_error}")
+
+    record = {} if record_checksums else None
+    error = None
+    try:
+        state = torch_dcp.sharded_state(model, optimizer)
+        torch_dcp.save_sharded(state, tmp, record)
+        files = {_rng_name(core.rank()): _serialized(_rng_state())}
+        if core.rank() == 0:
+            files[_COMMON] = _serialized({
+                "iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION, "layout": _layout(),
+                "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
+                "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(torch_dcp.unwrap(model))},
+                "extra_state": extra_state or {}})
+        for name, data in files.items():
+            publish.write_durable(os.path.join(tmp, name), data)
+            if record is not None:
+                record[name] = checksums.crc32_of(data)
+    except (Exception, CheckpointException) as exc:  # DCP reports a failed rank to all ranks
+        error = exc
+    try:
+        core.raise_if_any_failed(error, f"saving checkpoint {final} failed, the previous checkpoint is kept")
+    except CheckpointError:
+        if core.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    per_rank = core.gather_to_rank0(record)
+    publish_error = None
+    if core.rank() == 0:
+        try:
+            if record is not None:
+                checksums.write_manifest(tmp, per_rank)
+            tracker = os.path.join(save_dir, TRACKER_FILENAME)
+            publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, f"{iteration}\n".encode()))
+        except OSError as exc:
+            publish_error = CheckpointError(f"rank 0: {type(exc).__name__}: {exc}")
+            shutil.rmtree(tmp, ignore_errors=True)
+    core.raise_if_any_failed(publish_error, f"publishing checkpoint {final} failed")
+    return final
+
+
+# ---------------------------------------------------------------------- load
+
+
+def _read_tracker(load_dir: str) -> Optional[int]:
+    tracker = os.path.join(load_dir, TRACKER_FILENAME)
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def _on_rank0(func, *args):
+    """`func(*args)` on rank 0, its result or CheckpointError on every rank:
+    the files it reads can change between two ranks' reads."""
+    outcome = None
+    if core.rank() == 0:
+        try:
+            outcome = ("ok", func(*args))
+        except (CheckpointError, OSError) as exc:
+            outcome = ("error", str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")
+    kind, value = core.broadcast_from_rank0(outcome)
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def read_latest_iteration(load_dir: str) -> Optional[int]:
+    """The iteration the tracker names, or None when `load_dir` has no
+    checkpoint. Collective when torch.distributed is initialized: rank 0
+    reads the tracker and every rank gets its answer."""
+    return _on_rank0(_read_tracker, load_dir)
+
+
+def _find_checkpoint(load_dir: str, iteration: int) -> str:
+    """The directory holding `iteration`: its own, or, while a re-save of it
+    is between its two renames (or crashed there), the set-aside copy."""
+    path = checkpoint_dir(load_dir, iteration)
+    if _is_complete(path):
+        return path
+    aside = [p for p in publish.set_aside_copies(path) if _is_complete(p)]
+    return aside[-1] if aside else path
+
+
+def _resolve(load_dir: str, iteration: Optional[int], verify: bool) -> dict:
+    """Rank 0's view: the checkpoint to load and its manifest, or why there is none."""
+    if iteration is None:
+        if not os.path.exists(load_dir):
+            return {"missing": f"{load_dir} does not exist"}
+        if not os.path.isdir(load_dir):
+            return {"missing": f"{load_dir} is a file, not a checkpoint directory"}
+        iteration = _read_tracker(load_dir)
+        if iteration is None:
+            return {"missing": f"no checkpoint in {load_dir}: {TRACKER_FILENAME} not found"}
+    path = _find_checkpoint(load_dir, iteration)
+    if not _is_complete(path):
+        raise CheckpointError(f"checkpoint {path} is missing or incomplete (no {_COMMON})")
+    manifest = checksums.read_manifest(path) if verify else None
+    logger.info("loading checkpoint %s (iteration %d, as rank 0 read %s)", path, iteration, load_dir)
+    return {"missing": None, "path": path, "manifest": manifest}
+
+
+def _read_common(path: str, optimizer, opt_param_scheduler, load_optim: bool) -> tuple[dict, dict]:
+    """common.pt and the DCP metadata, checked against what is to be loaded."""
+    try:
+        common = torch.load(os.path.join(path, _COMMON), weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: {_COMMON} is corrupt ({exc})") from exc
+    if common.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {common.get('format')!r}, expected {CKPT_FORMAT!r}")
+    saved = torch_dcp.read_metadata(path)
+    if load_optim and optimizer is not None and not any(k.startswith("optimizer.") for k in saved):
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state (it was saved without an "
+                              "optimizer): load it with load_optim=False (--no-load-optim)")
+    if load_optim and opt_param_scheduler is not None and common.get("opt_param_scheduler") is None:
+        raise CheckpointError(f"checkpoint {path} holds no learning-rate scheduler state: load it with "
+                              "load_optim=False (--no-load-optim), or without a scheduler")
+    return common, saved
+
+
+def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, load_dir: str = None, *,
+                    iteration: Optional[int] = None, load_optim: bool = True, load_rng: bool = True,
+                    true_vocab_size: Optional[int] = None, verify: bool = True,
+                    exit_on_missing_checkpoint: bool = False) -> dict:
+    """Load the latest checkpoint (or `iteration`) from `load_dir` into the
+    model, optimizer and scheduler, resharding to the current layout. Every
+    rank must call this.
+
+    As in Megatron, `load_optim=False` (--no-load-optim) loads neither the
+    optimizer nor the scheduler, and refreshes fp32 main params from the
+    loaded model. `true_vocab_size` (the vocabulary before padding) lets the
+    embedding and output rows, and their optimizer state, load across a
+    different padding (another TP size); the padding rows are zero-filled.
+    Without it on both sides the shapes must match exactly. `verify=False`
+    (--no-verify-checkpoint) skips the checksum verification.
+
+    Returns {"iteration", "extra_state", "rng_restored", "path", "missing"}.
+    When `load_dir` is missing, empty, or a file, that is iteration 0 with
+    "missing" saying why (the caller warns and starts from scratch), or with
+    `exit_on_missing_checkpoint` (--exit-on-missing-checkpoint) a
+    CheckpointError. Every other failure raises CheckpointError on every
+    rank, before any shard is read where it can be known then.
+    """
+    if not load_dir:
+        raise ValueError("load_dir is required")
+    found = _on_rank0(_resolve, load_dir, iteration, verify)
+    if found["missing"]:
+        if exit_on_missing_checkpoint:
+            raise CheckpointError(f"{found['missing']}; --exit-on-missing-checkpoint stops here instead "
+                                  "of training from scratch")
+        return {"iteration": 0, "extra_state": {}, "rng_restored": False, "path": None,
+                "missing": found["missing"]}
+    path = found["path"]
+    if verify:
+        checksums.verify(path, found["manifest"])
+
+    error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(core.rank()))
+    try:
+        common, saved = _read_common(path, optimizer, opt_param_scheduler, load_optim)
+        state, rows = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
+                                             common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
+        restore_rng = load_rng and common["layout"] == _layout()
+        if restore_rng and not os.path.isfile(rng_path):
+            raise CheckpointError(f"checkpoint {path} has no RNG state for rank {core.rank()}: load it with "
+                                  "load_rng=False (--no-load-rng)")
+    except CheckpointError as exc:
+        error = exc
+    core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
+
+    torch_dcp.load_sharded(path, model, optimizer, state, rows)
+    if load_optim and opt_param_scheduler is not None:
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if restore_rng:
+        _set_rng_state(torch.load(rng_path, weights_only=True))
+    return {"iteration": common["iteration"], "extra_state": common["extra_state"], "rng_restored": restore_rng,
+            "path": path, "missing": None}
