@@ -61,7 +61,8 @@ def attention(x, params, prefix, cfg, rope_dim=None, rope_base=10000, attention_
     masked = torch.ones(s, s, dtype=torch.bool).triu(1)
     if attention_mask is not None:  # Megatron's convention: True = masked out
         masked = masked | attention_mask
-    scores = scores.masked_fill(masked, float("-inf"))
+    # Megatron's attention_mask_func: masked scores become -10000 (a fully masked row is uniform).
+    scores = scores.masked_fill(masked, -10000.0)
     context = scores.softmax(-1) @ v  # [b, heads, s, hn]
     return _linear(context.transpose(1, 2).reshape(b, s, heads * hn), params, prefix + ".linear_proj")
 

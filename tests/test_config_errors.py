@@ -47,8 +47,12 @@ def test_transformer_config_derives_megatron_defaults():
     cfg = TransformerConfig(**BASE)
     assert (cfg.kv_channels, cfg.ffn_hidden_size, cfg.num_query_groups) == (8, 128, 4)
     assert callable(cfg.init_method) and callable(cfg.output_layer_init_method)
-    with pytest.warns(UserWarning, match="bias_activation_fusion accepted"):
-        TransformerConfig(**BASE, bias_activation_fusion=True)
+    # Fusion flags select Megatron's fused numerics (tests/test_megatron_numerics.py); no warning.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TransformerConfig(**BASE, bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=True,
+                          masked_softmax_fusion=True, persist_layer_norm=True)
 
 
 def _case_gpt_model_errors(case):
@@ -147,23 +151,23 @@ def _case_megatron_forward_arguments():
     hidden, context = layer(h, None, context=None, rotary_pos_emb=None, packed_seq_params=None)
     assert hidden.shape == h.shape and context is None
     # A value for a feature megatron_fsdp lacks raises instead of being ignored.
-    with pytest.raises(NotImplementedError, match="TransformerBlock.forward: packed_seq_params is not supported"):
+    with pytest.raises(NotImplementedError, match="TransformerBlock.forward: packed_seq_params=object is not supported"):
         block(h, None, packed_seq_params=object())
-    with pytest.raises(NotImplementedError, match="TransformerLayer.forward: context is not supported"):
+    with pytest.raises(NotImplementedError, match="TransformerLayer.forward: context=Tensor is not supported"):
         layer(h, None, h)  # Megatron's third positional argument is the cross-attention context
-    with pytest.raises(NotImplementedError, match="SelfAttention.forward: rotary_pos_cos is not supported"):
+    with pytest.raises(NotImplementedError, match="SelfAttention.forward: rotary_pos_cos=Tensor is not supported"):
         layer.self_attention(h, None, rotary_pos_cos=h)
-    with pytest.raises(NotImplementedError, match="DotProductAttention.forward: attention_bias is not supported"):
+    with pytest.raises(NotImplementedError, match="DotProductAttention.forward: attention_bias=Tensor is not supported"):
         q = torch.randn(8, 2, 4, 8)
         layer.self_attention.core_attention(q, q, q, None, attention_bias=q)
     # Positional order is Megatron 0.19's: the 8th argument is rotary_pos_cos_sin.
     for module, name in ((block, "TransformerBlock"), (layer, "TransformerLayer")):
-        with pytest.raises(NotImplementedError, match=f"{name}.forward: rotary_pos_cos_sin is not supported"):
+        with pytest.raises(NotImplementedError, match=f"{name}.forward: rotary_pos_cos_sin=Tensor is not supported"):
             module(h, None, None, None, None, None, None, h)
-    with pytest.raises(NotImplementedError, match="dynamic_inference_decode_only is not supported"):
+    with pytest.raises(NotImplementedError, match="dynamic_inference_decode_only=True is not supported"):
         block(h, None, dynamic_inference_decode_only=True)
     ids = torch.randint(0, 64, (2, 8))
-    with pytest.raises(NotImplementedError, match="GPTModel.forward: output_processor is not supported"):
+    with pytest.raises(NotImplementedError, match="GPTModel.forward: output_processor=function is not supported"):
         model(ids, None, None, output_processor=lambda **kw: None)
     with pytest.raises(TypeError):
         model(ids, None, None, None, None, None, None, None, None, None)  # loss_mask is keyword-only

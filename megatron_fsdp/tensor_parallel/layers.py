@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import parallel_state
+from ..utils import reject_unsupported
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -24,14 +25,8 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .utils import VocabUtility, divide, init_full_tensor, local_tensor, make_tp_parameter, record_init
-
-
-def _reject(layer: str, **options) -> None:
-    """Megatron options with no implementation here: a clear error instead of a silent ignore."""
-    for name, (value, allowed) in options.items():
-        if value != allowed:
-            raise NotImplementedError(f"{layer}: {name}={value!r} is not supported (only {allowed!r})")
+from .utils import (VocabUtility, constant_init, divide, init_full_tensor, local_tensor, make_tp_parameter,
+                    record_init)
 
 
 def _check_tp_group(layer: str, tp_group) -> None:
@@ -83,9 +78,10 @@ class ColumnParallelLinear(nn.Module):
     ):
         super().__init__()
         name = type(self).__name__
-        _reject(name, stride=(stride, 1), keep_master_weight_for_test=(keep_master_weight_for_test, False),
-                embedding_activation_buffer=(embedding_activation_buffer, None),
-                grad_output_buffer=(grad_output_buffer, None), is_expert=(is_expert, False))
+        reject_unsupported(name, {
+            "stride": (stride, 1), "keep_master_weight_for_test": (keep_master_weight_for_test, False),
+            "embedding_activation_buffer": (embedding_activation_buffer, None),
+            "grad_output_buffer": (grad_output_buffer, None), "is_expert": (is_expert, False)})
         _check_tp_group(name, tp_group)
         self.config = config
         self.input_size = input_size
@@ -104,9 +100,9 @@ class ColumnParallelLinear(nn.Module):
                 init_full_tensor((output_size, input_size), init_method, config), 0, config)
             record_init(self, "weight", init_method, config)
         if bias:
-            full_bias = init_full_tensor((output_size,), nn.init.zeros_, config)
+            full_bias = init_full_tensor((output_size,), constant_init(0.0), config)
             self.bias = make_tp_parameter(full_bias, 0, config)
-            record_init(self, "bias", nn.init.zeros_, config)
+            record_init(self, "bias", constant_init(0.0), config)
         else:
             self.register_parameter("bias", None)
 
@@ -167,8 +163,9 @@ class RowParallelLinear(nn.Module):
     ):
         super().__init__()
         name = type(self).__name__
-        _reject(name, stride=(stride, 1), keep_master_weight_for_test=(keep_master_weight_for_test, False),
-                is_expert=(is_expert, False))
+        reject_unsupported(name, {
+            "stride": (stride, 1), "keep_master_weight_for_test": (keep_master_weight_for_test, False),
+            "is_expert": (is_expert, False)})
         _check_tp_group(name, tp_group)
         if config.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
@@ -185,8 +182,9 @@ class RowParallelLinear(nn.Module):
             init_full_tensor((output_size, input_size), init_method, config), 1, config)
         record_init(self, "weight", init_method, config)
         if bias:
-            self.bias = make_tp_parameter(init_full_tensor((output_size,), nn.init.zeros_, config), None, config)
-            record_init(self, "bias", nn.init.zeros_, config)
+            self.bias = make_tp_parameter(init_full_tensor((output_size,), constant_init(0.0), config), None,
+                                          config)
+            record_init(self, "bias", constant_init(0.0), config)
         else:
             self.register_parameter("bias", None)
 

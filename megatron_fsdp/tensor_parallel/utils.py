@@ -31,17 +31,32 @@ def init_full_tensor(shape: tuple[int, ...], init_method: Optional[Callable], co
 
     Every rank draws the whole tensor from the same generator state and later
     keeps its shard, so a TP=1 and a TP=4 model built from the same seed hold
-    the same weights. Under a meta-device context nothing is drawn.
+    the same weights. Under a meta-device context nothing is drawn. With
+    config.perform_initialization=False only `constant_init` methods (biases,
+    norm weights) are applied, as in Megatron.
     """
     if _building_on_meta():
         return torch.empty(shape, device="meta", dtype=torch.float32)
     device = parallel_state.get_device()
     init_device = torch.device("cpu") if config.use_cpu_initialization else device
     full = torch.empty(shape, dtype=torch.float32, device=init_device)
-    if config.perform_initialization and init_method is not None:
+    # Megatron sets biases and norm weights whatever perform_initialization
+    # says; only weights drawn at random are left uninitialized when it is False.
+    if getattr(init_method, "ignores_perform_initialization", False) or (
+            config.perform_initialization and init_method is not None):
         with torch.no_grad():
             init_method(full)
     return full
+
+
+def constant_init(value: float) -> Callable:
+    """Fills with `value`; applied even with perform_initialization=False, as
+    Megatron zeroes biases and sets norm weights in that case too."""
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.constant_(tensor, value)
+
+    init_.ignores_perform_initialization = True
+    return init_
 
 
 def record_init(module: torch.nn.Module, name: str, init_method: Optional[Callable], config) -> None:

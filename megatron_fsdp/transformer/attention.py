@@ -26,7 +26,14 @@ class DotProductAttention(nn.Module):
     """softmax(q k^T * scale + mask) v on local heads, via F.scaled_dot_product_attention.
 
     `attention_mask` follows Megatron: a bool tensor broadcastable to
-    [b, heads, s, s] where True means "masked out".
+    [b, heads, s, s] where True means "masked out". With the causal mask type
+    the causal mask is added to it (Megatron's GPT masks already contain it).
+
+    Megatron's softmax (FusedScaleMaskSoftmax with attention_mask_func) fills
+    masked scores with -10000 in fp32 rather than -inf. For a row with at
+    least one visible key the two agree (exp(-10000 - max) is 0 in fp32); a
+    row with every key masked (a padding query) becomes a uniform average of
+    all values there, not zeros, and so it is here.
     """
 
     def __init__(self, config, layer_number: int = 1,
@@ -60,6 +67,14 @@ class DotProductAttention(nn.Module):
                 causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
                 allowed = allowed & causal
                 is_causal = False
+        if allowed is not None:
+            # A fully masked row: all scores equal (-10000 in Megatron) -> uniform
+            # probabilities. A zero query gives all-zero scores, i.e. the same
+            # uniform softmax, with dropout and gradients (none to q or k) as there.
+            # (Unconditional: testing for such rows first would sync with the GPU.)
+            fully_masked = ~allowed.any(-1, keepdim=True)
+            q = q.masked_fill(fully_masked, 0.0)
+            allowed = allowed | fully_masked
         dropout_p = self.dropout_p if self.training else 0.0
         # Dropout acts on this rank's heads: it draws from the TP-distinct stream
         # (under sequence parallelism the whole block already runs in that stream).

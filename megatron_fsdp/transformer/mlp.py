@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import parallel_state
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from .fused_activations import bias_activation, weighted_swiglu
 
 
 class MLP(nn.Module):
@@ -18,6 +20,8 @@ class MLP(nn.Module):
     makes the full weight depend on the TP size. Interleaving keeps fc1 a
     plain Shard(0) DTensor whose full value is the same for every TP size, so
     checkpoints reshard across TP sizes. (gate = W[0::2], up = W[1::2].)
+    models/gpt/megatron_layout.py converts state dicts to and from Megatron's
+    layout for a given TP size.
     """
 
     def __init__(self, config, input_size: int | None = None):
@@ -35,6 +39,22 @@ class MLP(nn.Module):
             ffn, config.hidden_size, config=config, init_method=config.output_layer_init_method,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             tp_comm_buffer_name="fc2")
+
+    def _fused_activation(self, intermediate, bias, per_token_scale):
+        """Megatron's bias_activation_fusion paths (see fused_activations)."""
+        if per_token_scale is not None:
+            # Megatron fuses the token weighting for SwiGLU only, and without a bias.
+            if not (self.activation_func is F.silu and self.gated):
+                raise ValueError("MLP: with bias_activation_fusion, per_token_scale needs SwiGLU "
+                                 f"(activation_func=F.silu, gated_linear_unit=True), got "
+                                 f"{getattr(self.activation_func, '__name__', self.activation_func)}, "
+                                 f"gated_linear_unit={self.gated}")
+            if bias is not None:
+                raise NotImplementedError("MLP: per_token_scale with bias_activation_fusion and an fc1 bias "
+                                          "is not supported (as in Megatron-Core); set add_bias_linear=False")
+            return weighted_swiglu(intermediate, per_token_scale.unsqueeze(-1))
+        kind = ("geglu" if self.gated else "gelu") if self.activation_func is F.gelu else "swiglu"
+        return bias_activation(intermediate, bias, kind)
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: Optional[torch.Tensor] = None, *,
                 padding_mask: Optional[torch.Tensor] = None):
@@ -54,13 +74,16 @@ class MLP(nn.Module):
                 raise ValueError(f"MLP.forward: per_token_scale has shape {tuple(per_token_scale.shape)}, "
                                  f"expected one scale per token of fc1's output {tuple(tokens)}")
         intermediate, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
-        if self.gated:
-            pairs = intermediate.unflatten(-1, (-1, 2))
-            intermediate = self.activation_func(pairs[..., 0]) * pairs[..., 1]
+        if self.config.bias_activation_fusion:
+            intermediate = self._fused_activation(intermediate, bias, per_token_scale)
         else:
-            intermediate = self.activation_func(intermediate)
-        if per_token_scale is not None:
-            intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(intermediate.dtype)
+            if bias is not None:
+                intermediate = intermediate + bias
+            if self.gated:
+                pairs = intermediate.unflatten(-1, (-1, 2))
+                intermediate = self.activation_func(pairs[..., 0]) * pairs[..., 1]
+            else:
+                intermediate = self.activation_func(intermediate)
+            if per_token_scale is not None:
+                intermediate = (intermediate * per_token_scale.unsqueeze(-1)).to(intermediate.dtype)
         return self.linear_fc2(intermediate)

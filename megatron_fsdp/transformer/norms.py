@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import parallel_state
 from ..tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-from ..tensor_parallel.utils import local_tensor, record_init
+from ..tensor_parallel.utils import constant_init, local_tensor, record_init
 
 
 class _Norm(nn.Module):
@@ -27,10 +27,10 @@ class _Norm(nn.Module):
         self.partial_grads = partial_grads
         fill = 0.0 if self.zero_centered_gamma else 1.0
         self.weight = nn.Parameter(torch.full((hidden_size,), fill, dtype=config.params_dtype, device=device))
-        record_init(self, "weight", lambda t: nn.init.constant_(t, fill), config)
+        record_init(self, "weight", constant_init(fill), config)
         if bias:
             self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
-            record_init(self, "bias", nn.init.zeros_, config)
+            record_init(self, "bias", constant_init(0.0), config)
         else:
             self.register_parameter("bias", None)
 

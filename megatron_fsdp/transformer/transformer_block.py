@@ -10,20 +10,42 @@ from torch import nn
 
 from ..tensor_parallel import random as tp_random
 from .norms import build_norm
-from .transformer_layer import TransformerLayer
+from ..models.common.embeddings.rotary_pos_embedding import shield_rotary_angles
+from ..utils import reject_unsupported
+from .spec_utils import layer_class_from_spec
 from .utils import reject_unsupported_inputs
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, config, spec=None, post_layer_norm: bool = True, pre_process: bool = True,
-                 post_process: bool = True, layer_cls: type = TransformerLayer):
+                 post_process: bool = True, pg_collection=None, vp_stage: Optional[int] = None):
+        """Megatron-Core 0.19's signature. `spec` names the layer class (a
+        TransformerLayer subclass or a ModuleSpec of one; None: TransformerLayer).
+        With pre_process=False the input comes from `set_input_tensor`, as
+        for a pipeline stage in Megatron; post_process=False (or
+        post_layer_norm=False) leaves out the final norm."""
         super().__init__()
+        reject_unsupported("TransformerBlock", {
+            "pg_collection": (pg_collection, None, "process groups come from parallel_state"),
+        })
+        if vp_stage not in (None, 0):
+            raise NotImplementedError(f"TransformerBlock: vp_stage={vp_stage!r} is not supported by megatron_fsdp "
+                                      "(only None or 0: no virtual pipelining)")
+        layer_cls = layer_class_from_spec(spec, "TransformerBlock spec")
         self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.post_layer_norm = post_layer_norm
+        self.input_tensor = None
         self.layers = nn.ModuleList(layer_cls(config, layer_number=i + 1) for i in range(config.num_layers))
         self.final_layernorm = (
             build_norm(config, config.hidden_size, partial_grads=config.sequence_parallel)
             if post_layer_norm and post_process else None
         )
+
+    def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
+        """The input used instead of forward's `hidden_states` when pre_process=False."""
+        self.input_tensor = input_tensor
 
     def _run_layers(self, start: int, end: int, extract: frozenset = frozenset(), padding_mask=None):
         """Layers [start, end) as one function returning (output, *outputs of the layers in `extract`)."""
@@ -89,6 +111,13 @@ class TransformerBlock(nn.Module):
             sequence_len_offset=sequence_len_offset, inference_params=inference_params,
             dynamic_inference_decode_only=dynamic_inference_decode_only)
         extract = self._extract_indices(extract_layer_indices)
+        if not self.pre_process:
+            if self.input_tensor is None:
+                raise ValueError("TransformerBlock was built with pre_process=False: call set_input_tensor() "
+                                 "with its input before forward")
+            hidden_states = self.input_tensor
+        if rotary_pos_emb is not None:
+            rotary_pos_emb = shield_rotary_angles(rotary_pos_emb)
         # Under sequence parallelism every activation is split across TP ranks,
         # so all dropout in the block draws from the TP-distinct stream.
         rng = tp_random.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else contextlib.nullcontext()

@@ -4,26 +4,58 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Callable, Optional
 
 import torch.nn.functional as F
 
-from ..model_parallel_config import ModelParallelConfig, reject_unsupported
+from ..model_parallel_config import ModelParallelConfig
+from ..utils import reject_unsupported
 from .utils import init_method_normal, scaled_init_method_normal
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 _RECOMPUTE_METHODS = (None, "uniform", "block")
 _RECOMPUTE_MODULES = ("core_attn",)
-# Megatron's kernel-fusion switches. Results do not depend on them: they are
-# accepted, and the unfused PyTorch path runs (one warning says so).
-_FUSION_FLAGS = ("bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm",
-                 "memory_efficient_layer_norm", "bias_dropout_fusion", "apply_rope_fusion")
 
 
 @dataclasses.dataclass
 class TransformerConfig(ModelParallelConfig):
+    """Megatron-Core's TransformerConfig fields and defaults; a field set to a
+    value megatron_fsdp cannot honour raises here, before anything is built.
+
+    Megatron's fusion flags select kernels whose numerics differ from the
+    unfused path in places; each flag gives Megatron's numerics for the path
+    it selects:
+
+    - bias_activation_fusion: Megatron's fused bias + activation. With
+      activation_func=F.gelu it uses the tanh approximation of GELU (bias-GELU,
+      and GeGLU with gated_linear_unit) where the unfused path uses exact GELU;
+      with F.silu and gated_linear_unit it is SwiGLU. All of it runs in fp32
+      and rounds once (Megatron's torch.compile'd kernel); backward uses
+      Megatron's closed-form derivatives. Other activations, SiLU without
+      gating, and GELU without gating or bias raise ValueError, as in Megatron.
+    - bias_dropout_fusion: Megatron's compiled residual + dropout(x + bias):
+      fp32 arithmetic rounded once (the unfused path rounds after each op;
+      fp32 results are the same).
+    - apply_rope_fusion: Transformer Engine's fused RoPE numerics: rotation in
+      fp32 with fp32 cos/sin, rounded once. Unfused (Megatron's
+      `_apply_rotary_pos_emb_bshd`): cos/sin rounded to the activation dtype
+      and the rotation in that dtype. Angles are fp32 in both.
+    - masked_softmax_fusion: chooses, in Megatron's local attention, between
+      Apex's fused scale-mask-softmax and torch softmax, both an fp32 softmax
+      of the same scores with masked scores at -10000. Attention here is one
+      implementation (SDPA, with Megatron's fully-masked-row behaviour, see
+      DotProductAttention); the flag changes nothing. (Megatron's fused causal
+      kernel ignores an explicit attention_mask; here the mask always applies.)
+    - persist_layer_norm, memory_efficient_layer_norm: choose Apex LayerNorm
+      kernels in Megatron (fp32 statistics, output in the input dtype, as
+      F.layer_norm computes); memory_efficient only changes what backward
+      keeps. No change to results here.
+    - gradient_accumulation_fusion (ModelParallelConfig): accumulates weight
+      gradients into Megatron's fp32 main_grad buffers, which FSDP2 does not
+      have: True raises.
+    """
+
     num_layers: int = 0
     hidden_size: int = 0
     num_attention_heads: int = 0
@@ -119,27 +151,39 @@ class TransformerConfig(ModelParallelConfig):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         self._check_recompute()
-        reject_unsupported(self, {
-            "num_moe_experts": None,
-            "multi_latent_attention": False,
-            "window_size": None,
-            "rotary_interleaved": False,
-            "apply_residual_connection_post_layernorm": False,
-            "fp32_residual_connection": False,
-            "apply_query_key_layer_scaling": False,
-            "attention_softmax_in_fp32": True,
-            "calculate_per_token_loss": False,
-            "fp8": None,
-        })
+        reject_unsupported(type(self).__name__, {name: (getattr(self, name), allowed) for name, allowed in (
+            ("num_moe_experts", None),
+            ("multi_latent_attention", False),
+            ("window_size", None),
+            ("rotary_interleaved", False),
+            ("apply_residual_connection_post_layernorm", False),
+            ("fp32_residual_connection", False),
+            ("apply_query_key_layer_scaling", False),
+            ("attention_softmax_in_fp32", True),
+            ("calculate_per_token_loss", False),
+            ("fp8", None),
+        )})
+        self._check_bias_activation_fusion()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
-        fused = [name for name in _FUSION_FLAGS if getattr(self, name)]
-        if fused:
-            warnings.warn(
-                f"TransformerConfig: {', '.join(fused)} accepted; megatron_fsdp runs the "
-                "unfused PyTorch path (same results)", stacklevel=3)
+
+    def _check_bias_activation_fusion(self):
+        if not self.bias_activation_fusion:
+            return
+        name = getattr(self.activation_func, "__name__", repr(self.activation_func))
+        if self.activation_func is F.gelu:
+            if not self.gated_linear_unit and not self.add_bias_linear:
+                raise ValueError("bias_activation_fusion=True with GELU and gated_linear_unit=False needs "
+                                 "add_bias_linear=True (Megatron's fused bias-GELU has a bias)")
+        elif self.activation_func is F.silu:
+            if not self.gated_linear_unit:
+                raise ValueError("bias_activation_fusion=True with activation_func=silu needs "
+                                 "gated_linear_unit=True (SwiGLU); Megatron fuses no plain SiLU")
+        else:
+            raise ValueError(f"bias_activation_fusion=True needs activation_func F.gelu (GELU/GeGLU) or F.silu "
+                             f"(SwiGLU), got {name}")
 
     def _check_recompute(self):
         if self.recompute_granularity not in _RECOMPUTE_GRANULARITIES:

@@ -16,7 +16,19 @@ from .utils import reject_unsupported_inputs
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                     prob: float, training: bool) -> torch.Tensor:
+                     prob: float, training: bool, fused: bool = False) -> torch.Tensor:
+    """residual + dropout(x + bias), as Megatron's bias-dropout-add.
+
+    fused=False is Megatron's unfused function: each op rounds to the input
+    dtype. fused=True (bias_dropout_fusion) is its compiled kernel
+    (`torch.compile`), which computes in fp32 and rounds once; that changes
+    bf16/fp16 results in the last bit, not fp32 ones. (Dropout masks come from
+    the RNG either way; Megatron's compiled kernel draws them with its own
+    generator, so no implementation reproduces its masks bit for bit.)
+    """
+    if fused:
+        out = x.float() if bias is None else x.float() + bias.float()
+        return (residual.float() + F.dropout(out, p=prob, training=training)).to(residual.dtype)
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p=prob, training=training)
@@ -58,8 +70,8 @@ class TransformerLayer(nn.Module):
         attention_output, attention_bias = self.self_attention(
             self.input_layernorm(hidden_states), attention_mask, rotary_pos_emb=rotary_pos_emb)
         hidden_states = bias_dropout_add(attention_output, attention_bias, hidden_states,
-                                         self.hidden_dropout, self.training)
+                                         self.hidden_dropout, self.training, self.config.bias_dropout_fusion)
         mlp_output, mlp_bias = self.mlp(self.pre_mlp_layernorm(hidden_states), padding_mask=padding_mask)
         hidden_states = bias_dropout_add(mlp_output, mlp_bias, hidden_states,
-                                         self.hidden_dropout, self.training)
+                                         self.hidden_dropout, self.training, self.config.bias_dropout_fusion)
         return hidden_states, None

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ..utils import reject_unsupported
+
 
 def init_method_normal(sigma: float):
     """N(0, sigma) initialization."""
@@ -31,8 +33,4 @@ def reject_unsupported_inputs(where: str, **inputs) -> None:
     (packed sequences, cross-attention, inference caches, ...) are accepted
     by name, as Megatron code passes them, but a value other than None
     raises instead of being ignored."""
-    for name, value in inputs.items():
-        if value is not None:
-            raise NotImplementedError(
-                f"{where}: {name} is not supported by megatron_fsdp (got {type(value).__name__}; "
-                f"only None is allowed)")
+    reject_unsupported(where, {name: (value, None) for name, value in inputs.items()})

@@ -6,17 +6,11 @@ megatron_fsdp has one layer implementation; a spec only names the layer class
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
+from ...transformer.spec_utils import ModuleSpec, layer_class_from_spec
 from ...transformer.transformer_layer import TransformerLayer
 
-
-@dataclasses.dataclass
-class ModuleSpec:
-    module: type
-    params: dict = dataclasses.field(default_factory=dict)
-    submodules: Optional[object] = None
+__all__ = ["ModuleSpec", "get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec",
+           "layer_class_from_spec"]
 
 
 def _layer_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
@@ -39,17 +33,3 @@ def get_gpt_layer_with_transformer_engine_spec(num_experts=None, moe_grouped_gem
                                                **kwargs) -> ModuleSpec:
     """Same layer as the local spec: megatron_fsdp does not use Transformer Engine layers."""
     return _layer_spec(num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention, **kwargs)
-
-
-def layer_class_from_spec(spec) -> type:
-    if spec is None:
-        return TransformerLayer
-    module = spec.module if isinstance(spec, ModuleSpec) else spec
-    if isinstance(module, type) and issubclass(module, TransformerLayer):
-        if isinstance(spec, ModuleSpec) and (spec.params or spec.submodules is not None):
-            raise NotImplementedError("ModuleSpec params and submodules are not supported")
-        return module
-    raise TypeError(
-        f"transformer_layer_spec must be None, a TransformerLayer subclass or a ModuleSpec of one, "
-        f"got {spec!r}"
-    )

@@ -15,7 +15,7 @@ from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from ...transformer.transformer_block import TransformerBlock
 from ...transformer.utils import reject_unsupported_inputs
 from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
-from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding, shield_rotary_angles
 from .gpt_layer_specs import layer_class_from_spec
 
 
@@ -67,7 +67,7 @@ class GPTModel(nn.Module):
         if vp_stage not in (None, 0):
             raise NotImplementedError(f"vp_stage={vp_stage!r}: virtual pipelining is not supported")
         _check_parallel_layout(config)
-        layer_cls = layer_class_from_spec(transformer_layer_spec)
+        layer_class_from_spec(transformer_layer_spec)  # a bad spec fails before anything is built
 
         self.config = config
         self.vocab_size = vocab_size
@@ -90,7 +90,7 @@ class GPTModel(nn.Module):
                     seq_len_interpolation_factor, rotary_base, rope_scaling, rope_scaling_factor)
             else:
                 self.rotary_pos_emb = None
-            self.decoder = TransformerBlock(config, layer_cls=layer_cls)
+            self.decoder = TransformerBlock(config, spec=transformer_layer_spec)
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method,
                 bias=False, skip_bias_add=False, gather_output=not parallel_output,
@@ -161,7 +161,8 @@ class GPTModel(nn.Module):
         if self.rotary_pos_emb is not None:
             seq_len = decoder_input.size(0) * (
                 parallel_state.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
-            rotary_pos_emb = self.rotary_pos_emb(seq_len)
+            # fp32 angles, shielded from FSDP's mixed-precision cast of the layers' inputs.
+            rotary_pos_emb = shield_rotary_angles(self.rotary_pos_emb(seq_len))
         hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
                                      padding_mask=padding_mask, **(extra_block_kwargs or {}))
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None

@@ -58,16 +58,46 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
+def shield_rotary_angles(freqs: torch.Tensor) -> torch.Tensor:
+    """fp32 angles as an int32 view of the same bits, which FSDP2's mixed-precision
+    input cast leaves alone (it casts floating tensors only, inside containers too).
+
+    At position 2048 an angle rounded to bf16 is off by up to 8 radians; Megatron
+    rounds only cos/sin to the activation dtype. `apply_rotary_pos_emb` accepts
+    either form, so a TransformerLayer that is an FSDP unit gets exact angles.
+    """
+    return freqs.view(torch.int32) if freqs.dtype == torch.float32 else freqs
+
+
+def _unshield(freqs: torch.Tensor) -> torch.Tensor:
+    return freqs.view(torch.float32) if freqs.dtype == torch.int32 else freqs
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None) -> torch.Tensor:
-    """Rotate the first `freqs.size(-1)` channels of t [s, b, heads, head_dim]."""
+    """Rotate the first `freqs.size(-1)` channels of t [s, b, heads, head_dim].
+
+    `freqs` are RotaryEmbedding's angles (fp32, or shielded by
+    `shield_rotary_angles`). Megatron's two paths, chosen by
+    `config.apply_rope_fusion`:
+      False: cos/sin of the fp32 angles are rounded to t's dtype and the
+        rotation runs in t's dtype (Megatron's unfused `_apply_rotary_pos_emb_bshd`).
+      True: the rotation runs in fp32 with fp32 cos/sin and the result is
+        rounded once to t's dtype, as Transformer Engine's fused RoPE kernel does.
+    """
+    freqs = _unshield(freqs)
     rot_dim = freqs.size(-1)
     freqs = freqs[: t.size(0)]
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
-    t_rot = t_rot * cos + _rotate_half(t_rot) * sin
+    if config is not None and config.apply_rope_fusion:
+        x = t_rot.float()
+        freqs = freqs.float()
+        t_rot = (x * freqs.cos() + _rotate_half(x) * freqs.sin()).to(t.dtype)
+    else:
+        cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+        t_rot = t_rot * cos + _rotate_half(t_rot) * sin
     return torch.cat((t_rot, t_pass), dim=-1) if t_pass.numel() else t_rot

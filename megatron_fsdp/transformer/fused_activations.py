@@ -1,0 +1,104 @@
+"""The activations Megatron-Core runs with `bias_activation_fusion=True`.
+
+Megatron's fused paths are not its unfused ones with fewer kernels:
+- GELU and GeGLU use the tanh approximation of GELU, with Megatron's
+  constants (0.79788456 for sqrt(2/pi), 0.1070322243 for its derivative term),
+  where the unfused path calls the exact `F.gelu`;
+- the bias add, the activation and the gating run as one compiled kernel
+  (`torch.compile`, Megatron's `jit_fuser`), which computes in fp32 and
+  rounds to the input dtype once; the unfused path rounds after every op.
+Backward uses Megatron's closed-form derivatives, also in fp32, rounded once,
+and keeps only the inputs for it.
+
+Gated inputs use megatron_fsdp's fc1 layout: gate and up interleave on the
+last dimension (gate = y[..., 0::2], up = y[..., 1::2]); see MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# Megatron's rounded constants: sqrt(2 / pi) and sqrt(2 / pi) * 3 * 0.044715.
+_SQRT_2_OVER_PI = 0.79788456
+_CUBIC = 0.044715
+_CUBIC_GRAD = 0.1070322243
+
+KINDS = ("gelu", "geglu", "swiglu")
+
+
+def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Megatron's fused GELU formula (the tanh approximation)."""
+    return x * 0.5 * (1.0 + torch.tanh(_SQRT_2_OVER_PI * x * (1 + _CUBIC * x * x)))
+
+
+def _tanh_gelu_and_grad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tanh_out = torch.tanh(_SQRT_2_OVER_PI * x * (1 + _CUBIC * x * x))
+    grad = 0.5 * x * ((1 - tanh_out * tanh_out) * (_SQRT_2_OVER_PI + _CUBIC_GRAD * x * x)) + 0.5 * (1 + tanh_out)
+    return x * 0.5 * (1.0 + tanh_out), grad
+
+
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = x.unflatten(-1, (-1, 2))
+    return pairs[..., 0], pairs[..., 1]
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def _biased_fp32(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    x = y.float()
+    return x + bias.float() if bias is not None else x
+
+
+def _forward_fp32(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "gelu":
+        return tanh_gelu(x)
+    gate, up = _split(x)
+    return (tanh_gelu(gate) if kind == "geglu" else F.silu(gate)) * up
+
+
+def _backward_fp32(g: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "gelu":
+        return _tanh_gelu_and_grad(x)[1] * g
+    gate, up = _split(x)
+    if kind == "geglu":
+        activated, grad = _tanh_gelu_and_grad(gate)
+        return _interleave((g * up) * grad, g * activated)
+    sig = torch.sigmoid(gate)
+    return _interleave(g * sig * (1 + gate * (1 - sig)) * up, g * F.silu(gate))
+
+
+class BiasActivationFunction(torch.autograd.Function):
+    """act(y + bias) as Megatron's fused bias-GELU / bias-GeGLU / bias-SwiGLU compute it."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
+        ctx.save_for_backward(y, bias)
+        ctx.kind = kind
+        return _forward_fp32(_biased_fp32(y, bias), kind).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        y, bias = ctx.saved_tensors
+        grad = _backward_fp32(grad_output.float(), _biased_fp32(y, bias), ctx.kind).to(y.dtype)
+        # Megatron returns the same tensor for the bias and autograd sums it over the tokens.
+        grad_bias = None
+        if bias is not None and ctx.needs_input_grad[1]:
+            grad_bias = grad.sum(dim=tuple(range(grad.dim() - 1))).to(bias.dtype)
+        return grad, grad_bias, None
+
+
+def bias_activation(y: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
+    if kind not in KINDS:
+        raise ValueError(f"bias_activation: kind={kind!r}, allowed: {KINDS}")
+    return BiasActivationFunction.apply(y, bias, kind)
+
+
+def weighted_swiglu(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Megatron's fused token-weighted SwiGLU: (silu(gate) * up * weights) in fp32, rounded once."""
+    gate, up = _split(y.float())
+    return (F.silu(gate) * up * weights).to(y.dtype)
