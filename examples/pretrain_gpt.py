@@ -16,154 +16,33 @@ resharding DCP checkpoints (--ckpt-format torch_dcp).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import sys
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_fsdp import parallel_state, tensor_parallel
-from megatron_fsdp.training.checkpointing import load_checkpoint, read_latest_iteration, save_checkpoint
+from megatron_fsdp.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_fsdp.tensor_parallel.utils import local_tensor
+from megatron_fsdp.training.arguments import parse_args
+from megatron_fsdp.training.dist_signal_handler import DistributedSignalHandler
 from megatron_fsdp.training.initialize import distributed_job
 from megatron_fsdp.training.mock_data import MockGPTDataset
+from megatron_fsdp.training.nan_check import check_for_nan_in_loss_and_grad
+from megatron_fsdp.training.progress import CollectiveTimeoutError, ProgressBeacon, is_timeout
 from megatron_fsdp.transformer import TransformerConfig
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    a = p.add_argument
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--use-torch-fsdp2", action="store_true")
-    a("--torch-fsdp2-no-reshard-after-forward", action="store_true")
-    a("--num-distributed-optimizer-instances", type=int, default=1)
-    a("--use-distributed-optimizer", action="store_true")
-    a("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    a("--grad-reduce-in-bf16", action="store_true")
-    a("--overlap-grad-reduce", action="store_true")
-    a("--overlap-param-gather", action="store_true")
-    a("--save", default=None)
-    a("--load", default=None)
-    a("--save-interval", type=int, default=None)
-    a("--ckpt-format", default="torch_dcp")
-    a("--no-load-optim", action="store_true")
-    a("--no-load-rng", action="store_true")
-    a("--sequence-parallel", action="store_true")
-    a("--num-layers", type=int, required=True)
-    a("--hidden-size", type=int, required=True)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--num-attention-heads", type=int, required=True)
-    a("--group-query-attention", action="store_true")
-    a("--num-query-groups", type=int, default=1)
-    a("--kv-channels", type=int, default=None)
-    a("--seq-length", type=int, required=True)
-    a("--max-position-embeddings", type=int, default=None)
-    a("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default="learned_absolute")
-    a("--rotary-percent", type=float, default=1.0)
-    a("--rotary-base", type=int, default=10000)
-    a("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    a("--norm-epsilon", type=float, default=1e-5)
-    a("--swiglu", action="store_true")
-    a("--disable-bias-linear", action="store_true")
-    a("--untie-embeddings-and-output-weights", action="store_true")
-    a("--hidden-dropout", type=float, default=0.1)
-    a("--attention-dropout", type=float, default=0.1)
-    a("--init-method-std", type=float, default=0.02)
-    a("--recompute-granularity", choices=["full", "selective"], default=None)
-    a("--recompute-method", choices=["uniform", "block"], default=None)
-    a("--recompute-num-layers", type=int, default=None)
-    a("--micro-batch-size", type=int, required=True)
-    a("--global-batch-size", type=int, default=None)
-    a("--train-iters", type=int, required=True)
-    a("--lr", type=float, required=True)
-    a("--min-lr", type=float, default=0.0)
-    a("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
-    a("--lr-warmup-iters", type=int, default=0)
-    a("--lr-warmup-init", type=float, default=0.0)
-    a("--lr-decay-iters", type=int, default=None)
-    a("--weight-decay", type=float, default=0.01)
-    a("--adam-beta1", type=float, default=0.9)
-    a("--adam-beta2", type=float, default=0.999)
-    a("--adam-eps", type=float, default=1e-8)
-    a("--clip-grad", type=float, default=1.0)
-    a("--bf16", action="store_true")
-    a("--fp16", action="store_true")
-    a("--seed", type=int, default=1234)
-    a("--mock-data", action="store_true")
-    a("--tokenizer-type", default="NullTokenizer", choices=["NullTokenizer"])
-    a("--vocab-size", type=int, default=None)
-    a("--make-vocab-size-divisible-by", type=int, default=128)
-    a("--log-interval", type=int, default=100)
-    a("--distributed-backend", choices=["nccl", "gloo"], default=None)
-    args = p.parse_args(argv)
-    _validate(p, args)
-    return args
-
-
-def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Checked on every rank before any process group exists: all ranks fail alike.
-    if not args.mock_data:
-        parser.error("only --mock-data is supported as a data source")
-    if args.vocab_size is None or args.vocab_size < 2:
-        parser.error("--vocab-size (>= 2) is required with --mock-data and --tokenizer-type NullTokenizer")
-    if args.fp16:
-        parser.error("--fp16 needs a loss scaler, which megatron_fsdp does not provide; use --bf16")
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "tensor_model_parallel_size", "log_interval", "make_vocab_size_divisible_by"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    # Megatron: with --bf16, gradients are accumulated and reduced in fp32
-    # unless --grad-reduce-in-bf16 asks otherwise.
-    if args.bf16 and not args.grad_reduce_in_bf16:
-        args.accumulate_allreduce_grads_in_fp32 = True
-    if not args.use_torch_fsdp2 and (args.use_distributed_optimizer or args.overlap_grad_reduce
-                                     or args.overlap_param_gather or args.accumulate_allreduce_grads_in_fp32
-                                     and not args.bf16):
-        parser.error("--use-distributed-optimizer, --overlap-grad-reduce, --overlap-param-gather and "
-                     "--accumulate-allreduce-grads-in-fp32 need --use-torch-fsdp2")
-    if args.ckpt_format != "torch_dcp":
-        parser.error(f"--ckpt-format {args.ckpt_format} is not supported: megatron_fsdp writes torch_dcp")
-    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
-        parser.error("--save-interval needs --save and a value >= 1")
-    if not args.use_torch_fsdp2 and (args.torch_fsdp2_no_reshard_after_forward
-                                     or args.num_distributed_optimizer_instances > 1):
-        parser.error("--torch-fsdp2-no-reshard-after-forward and --num-distributed-optimizer-instances "
-                     "need --use-torch-fsdp2")
-    if args.lr <= 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.seq_length > args.max_position_embeddings:
-        parser.error(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                     f"{args.max_position_embeddings}")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    tp = args.tensor_model_parallel_size
-    if world_size % tp != 0:
-        parser.error(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
-    dp = world_size // tp
-    if dp % args.num_distributed_optimizer_instances != 0:
-        parser.error(f"data-parallel size {dp} is not divisible by --num-distributed-optimizer-instances "
-                     f"{args.num_distributed_optimizer_instances}")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
-        parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                     f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
-    if args.sequence_parallel and args.seq_length % tp != 0:
-        parser.error(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
-                     f"--tensor-model-parallel-size ({tp})")
-    multiple = args.make_vocab_size_divisible_by * tp
-    args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
 
 
 def build_model(args) -> GPTModel:
@@ -176,7 +55,7 @@ def build_model(args) -> GPTModel:
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, bf16=args.bf16,
+        init_method_std=args.init_method_std, bf16=args.bf16, fp16=args.fp16,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
     )
@@ -216,87 +95,155 @@ def log_rank_last(message: str) -> None:
 def build_optimizer(args, model):
     optimizer = get_megatron_optimizer(OptimizerConfig(
         lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16), model)
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
+        fp16=args.fp16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis), model)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters or args.train_iters,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay)
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style)
     return optimizer, scheduler
 
 
 def maybe_load(args, model, optimizer, scheduler) -> int:
     """The iteration to resume after (0 for a fresh start), as Megatron's --load does."""
-    if not args.load or read_latest_iteration(args.load) is None:
-        if args.load:
-            log_rank_last(f"> no checkpoint found in {args.load}: training from scratch")
+    if not args.load:
         return 0
     loaded = load_checkpoint(model, optimizer, scheduler, args.load,
-                             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+                             load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                             true_vocab_size=args.vocab_size, verify=not args.no_verify_checkpoint,
+                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint)
+    if loaded.get("missing"):
+        log_rank_last(f"> WARNING: {loaded['missing']}: training from scratch")
+        return 0
     log_rank_last(f"> loaded checkpoint from {args.load} at iteration {loaded['iteration']}"
                   + ("" if loaded["rng_restored"] else " (RNG states not restored: other layout)"))
     return loaded["iteration"]
 
 
-def train_step(args, model, optimizer, dataset, iteration, num_micro) -> tuple[float, float]:
+def save(args, iteration, model, optimizer, scheduler) -> None:
+    path = save_checkpoint(iteration, model, optimizer, scheduler, args.save, true_vocab_size=args.vocab_size,
+                           extra_state={"consumed_train_samples": iteration * args.global_batch_size})
+    log_rank_last(f"> saved checkpoint {path}")
+
+
+@dataclasses.dataclass
+class StepResult:
+    lm_loss: float
+    grad_norm: Optional[float]
+    update_successful: bool
+    nan: bool
+
+
+def train_step(args, model, optimizer, dataset, iteration, num_micro, beacon) -> StepResult:
     device = parallel_state.get_device()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    autocast = torch.autocast(parallel_state.get_device_type(), dtype=torch.bfloat16,
-                              enabled=args.bf16 and not args.use_torch_fsdp2)
+    low_precision = torch.float16 if args.fp16 else torch.bfloat16
+    autocast = torch.autocast(parallel_state.get_device_type(), dtype=low_precision,
+                              enabled=(args.bf16 or args.fp16) and not args.use_torch_fsdp2)
     consumed = (iteration - 1) * args.global_batch_size
     loss_sum = torch.zeros((), device=device)
     for micro in range(num_micro):
+        beacon.mark(f"iteration {iteration}: forward/backward of microbatch {micro}")
         start = consumed + (micro * dp_size + dp_rank) * args.micro_batch_size
         batch = {k: v.to(device) for k, v in dataset.batch(range(start, start + args.micro_batch_size)).items()}
-        # FSDP: reduce-scatter only after the last microbatch (Megatron's no_sync schedule).
+        # Megatron's schedule: the last microbatch's backward outside no_sync().
         accumulate = args.use_torch_fsdp2 and micro < num_micro - 1
         with model.no_sync() if accumulate else contextlib.nullcontext(), autocast:
             per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
             loss = (per_token.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-            (loss / num_micro).backward()
+            optimizer.scale_loss(loss / num_micro).backward()
         loss_sum += loss.detach()
+    beacon.mark(f"iteration {iteration}: gradient reduction and checks")
     if args.use_torch_fsdp2:
         model.finish_grad_sync()
     else:
         average_gradients_over_data_parallel(model)
-    _, grad_norm, _ = optimizer.step()
+    if args.check_for_nan_in_loss_and_grad:
+        # With fp16 an overflowing gradient is the loss scaler's business: it skips the step.
+        grads = None if args.fp16 else [p.grad for p in model.parameters() if p.grad is not None]
+        check_for_nan_in_loss_and_grad(iteration, loss_sum, grads)
+    beacon.mark(f"iteration {iteration}: optimizer step")
+    update_successful, grad_norm, _ = optimizer.step()
     optimizer.zero_grad()
+    beacon.mark(f"iteration {iteration}: loss all-reduce")
     dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
-    return loss_sum.item() / (num_micro * dp_size), grad_norm
+    lm_loss = loss_sum.item() / (num_micro * dp_size)
+    nan = not math.isfinite(lm_loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+    return StepResult(lm_loss, grad_norm, update_successful, nan)
 
 
-def train(args) -> list[float]:
+def should_exit(args, iteration, signal_handler, train_start) -> Optional[str]:
+    """Why every rank stops after this iteration (the same answer on all ranks), or None."""
+    if signal_handler is not None and any(signal_handler.signals_received()):
+        return "a rank received SIGTERM (--exit-signal-handler)"
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"--exit-interval {args.exit_interval}"
+    if args.exit_duration_in_mins:
+        over = torch.tensor([float(time.time() - train_start > 60 * args.exit_duration_in_mins)],
+                            device=parallel_state.get_device())
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+        if over.item() > 0:
+            return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+    return None
+
+
+def train(args, beacon: ProgressBeacon) -> list[float]:
+    train_start = time.time()
+    beacon.mark("model and optimizer construction")
     model = build_model(args)
     optimizer, scheduler = build_optimizer(args, model)
+    beacon.mark("checkpoint load")
     start_iteration = maybe_load(args, model, optimizer, scheduler)
     dataset = MockGPTDataset(args.vocab_size, args.seq_length, seed=args.seed)
     num_micro = args.global_batch_size // (args.micro_batch_size * parallel_state.get_data_parallel_world_size())
     losses = []
-    window_start = time.perf_counter()
-    for iteration in range(start_iteration + 1, args.train_iters + 1):
-        learning_rate = optimizer.param_groups[0]["lr"]
-        lm_loss, grad_norm = train_step(args, model, optimizer, dataset, iteration, num_micro)
-        scheduler.step()
-        losses.append(lm_loss)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            steps = iteration % args.log_interval or args.log_interval
-            elapsed = (time.perf_counter() - window_start) / steps
-            window_start = time.perf_counter()
-            tokens_per_s = args.global_batch_size * args.seq_length / elapsed
-            log_rank_last(
-                f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
-                f" consumed samples: {iteration * args.global_batch_size:12d} |"
-                f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |"
-                f" throughput (tokens/s): {tokens_per_s:.1f} |"
-                f" learning rate: {learning_rate:.6E} |"
-                f" global batch size: {args.global_batch_size:5d} |"
-                f" lm loss: {lm_loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} |"
-                f" number of skipped iterations:   0 | number of nan iterations:   0 |")
-        if args.save and (iteration == args.train_iters or
-                          (args.save_interval and iteration % args.save_interval == 0)):
-            path = save_checkpoint(iteration, model, optimizer, scheduler, args.save)
-            log_rank_last(f"> saved checkpoint {path}")
+    window = dict(start=time.perf_counter(), losses=[], skipped=0, nan=0)
+    with DistributedSignalHandler() if args.exit_signal_handler else contextlib.nullcontext() as signal_handler:
+        for iteration in range(start_iteration + 1, args.train_iters + 1):
+            learning_rate = optimizer.param_groups[0]["lr"]
+            step = train_step(args, model, optimizer, dataset, iteration, num_micro, beacon)
+            if step.update_successful:
+                scheduler.step()  # Megatron does not advance the schedule on a skipped step
+            losses.append(step.lm_loss)
+            window["losses"].append(step.lm_loss)
+            window["skipped"] += int(not step.update_successful)
+            window["nan"] += int(step.nan)
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                log_iteration(args, iteration, learning_rate, step, optimizer, window)
+            beacon.mark(f"iteration {iteration}: exit checks and checkpoint")
+            reason = should_exit(args, iteration, signal_handler, train_start)
+            if args.save and (reason or iteration == args.train_iters or
+                              (args.save_interval and iteration % args.save_interval == 0)):
+                save(args, iteration, model, optimizer, scheduler)
+            if reason:
+                log_rank_last(f"> exiting after iteration {iteration}: {reason}")
+                break
     return losses
+
+
+def log_iteration(args, iteration, learning_rate, step, optimizer, window) -> None:
+    steps = len(window["losses"])
+    elapsed = (time.perf_counter() - window["start"]) / steps
+    tokens_per_s = args.global_batch_size * args.seq_length / elapsed
+    lm_loss = sum(window["losses"]) / steps  # Megatron logs the mean since the last log line
+    grad_norm = "" if step.grad_norm is None else f" grad norm: {step.grad_norm:.3f} |"
+    log_rank_last(
+        f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
+        f" consumed samples: {iteration * args.global_batch_size:12d} |"
+        f" elapsed time per iteration (ms): {elapsed * 1000:.1f} |"
+        f" throughput (tokens/s): {tokens_per_s:.1f} |"
+        f" learning rate: {learning_rate:.6E} |"
+        f" global batch size: {args.global_batch_size:5d} |"
+        f" lm loss: {lm_loss:.6E} | loss scale: {float(optimizer.get_loss_scale()):.1f} |{grad_norm}"
+        f" number of skipped iterations: {window['skipped']:3d} | number of nan iterations: {window['nan']:3d} |")
+    window.update(start=time.perf_counter(), losses=[], skipped=0, nan=0)
 
 
 def main(argv=None) -> None:
@@ -306,17 +253,25 @@ def main(argv=None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group(backend)
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    dist.init_process_group(backend, timeout=timeout)
     with distributed_job():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
             num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
         torch.manual_seed(args.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         log_rank_last(f"> world size {dist.get_world_size()}: tensor-parallel "
                       f"{args.tensor_model_parallel_size} x data-parallel "
                       f"{parallel_state.get_data_parallel_world_size()} on {parallel_state.get_device_type()}")
-        train(args)
+        beacon = ProgressBeacon()
+        try:
+            train(args, beacon)
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise CollectiveTimeoutError(beacon.explain_timeout(exc)) from exc
+            raise
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Layout, Megatron's names:
     <save>/latest_checkpointed_iteration.txt     the tracker, written last
     <save>/iter_0000100/                          one checkpoint
         .metadata, __*_*.distcp                   DCP: model + optimizer, every rank its shards
-        common.pt                                 iteration, scheduler, layout, vocabulary, extra state
+        common.pt                                 iteration, scheduler, loss scaler, layout, vocabulary,
+                                                  extra state
         rng/rank_00003.pt                         each rank's RNG states
         checksums.json                            crc32 and size of every file above
 
@@ -23,10 +24,17 @@ read, and every rank raises the same CheckpointError. DCP then reads the
 shards the current layout needs (any TP x DP, across vocabulary padding
 given the true vocabulary size). RNG states are restored only when the
 layout is the one saved.
+
+The fp16 loss scaler (optimizer.grad_scaler) is not part of the torch
+optimizer DCP saves: its state goes into common.pt, and loads with the
+optimizer (load_optim). A checkpoint without it keeps the optimizer's
+current scale (with a warning, as Megatron does); one with it loading into
+an optimizer without a scaler (resumed in bf16 or fp32) skips it.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -98,6 +106,15 @@ def _serialized(obj) -> bytes:
     return buffer.getvalue()
 
 
+def _grad_scaler_state(optimizer) -> Optional[dict]:
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is None:
+        return None
+    # The scale lives on the training device; on the CPU it loads anywhere.
+    return {key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+            for key, value in scaler.state_dict().items()}
+
+
 def _is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, _COMMON))
 
@@ -108,9 +125,9 @@ def _is_complete(path: str) -> bool:
 def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_scheduler=None,
                     save_dir: str = None, *, extra_state: Optional[dict] = None,
                     true_vocab_size: Optional[int] = None, record_checksums: bool = True) -> str:
-    """Save model, optimizer, scheduler, RNG states, `iteration` and
-    `extra_state` under `save_dir`; every rank writes its own shards and
-    must call this. Returns the checkpoint's path.
+    """Save model, optimizer (its loss scaler included), scheduler, RNG
+    states, `iteration` and `extra_state` under `save_dir`; every rank
+    writes its own shards and must call this. Returns the checkpoint's path.
 
     `extra_state` holds the caller's training state as plain Python values
     (consumed samples, args as a dict, ...; it is loaded with
@@ -152,6 +169,7 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
             files[_COMMON] = _serialized({
                 "iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION, "layout": _layout(),
                 "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
+                "grad_scaler": _grad_scaler_state(optimizer),
                 "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(torch_dcp.unwrap(model))},
                 "extra_state": extra_state or {}})
         for name, data in files.items():
@@ -265,6 +283,38 @@ def _read_common(path: str, optimizer, opt_param_scheduler, load_optim: bool) ->
     return common, saved
 
 
+def _grad_scaler_to_load(path: str, common: dict, optimizer, load_optim: bool) -> Optional[dict]:
+    """The loss-scaler state to load into optimizer.grad_scaler, or None;
+    raises CheckpointError when it does not fit the scaler."""
+    if not load_optim or optimizer is None:
+        return None
+    scaler, saved = getattr(optimizer, "grad_scaler", None), common.get("grad_scaler")
+    log = logger if core.rank() == 0 else None  # every rank decides alike: one says so
+    if scaler is None:
+        if saved and log:
+            log.info("checkpoint %s holds fp16 loss-scaler state; the optimizer has no loss scaler "
+                     "(bf16/fp32 resume): not loading it", path)
+        return None
+    if not scaler.state_dict():
+        if saved and log:
+            log.info("checkpoint %s holds dynamic loss-scaler state; the optimizer's loss scale is constant "
+                     "(%s): not loading it", path, float(scaler.scale))
+        return None
+    if not saved:
+        if log:
+            log.warning("checkpoint %s holds no dynamic loss-scaler state (saved without fp16 dynamic loss "
+                        "scaling, or by an older version): keeping the current loss scale %s",
+                        path, float(scaler.scale))
+        return None
+    try:
+        # On a copy: nothing is changed before every check has passed on every rank.
+        copy.deepcopy(scaler).load_state_dict(saved)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: its loss-scaler state does not fit the optimizer's "
+                              f"{type(scaler).__name__} ({type(exc).__name__}: {exc})") from exc
+    return saved
+
+
 def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, load_dir: str = None, *,
                     iteration: Optional[int] = None, load_optim: bool = True, load_rng: bool = True,
                     true_vocab_size: Optional[int] = None, verify: bool = True,
@@ -274,11 +324,12 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     rank must call this.
 
     As in Megatron, `load_optim=False` (--no-load-optim) loads neither the
-    optimizer nor the scheduler, and refreshes fp32 main params from the
-    loaded model. `true_vocab_size` (the vocabulary before padding) lets the
-    embedding and output rows, and their optimizer state, load across a
-    different padding (another TP size); the padding rows are zero-filled.
-    Without it on both sides the shapes must match exactly. `verify=False`
+    optimizer (its loss scaler included) nor the scheduler, and refreshes
+    fp32 main params from the loaded model. `true_vocab_size` (the
+    vocabulary before padding) lets the embedding and output rows, and
+    their optimizer state, load across a different padding (another TP
+    size); the padding rows are zero-filled. Without it on both sides the
+    shapes must match exactly. `verify=False`
     (--no-verify-checkpoint) skips the checksum verification.
 
     Returns {"iteration", "extra_state", "rng_restored", "path", "missing"}.
@@ -304,6 +355,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(core.rank()))
     try:
         common, saved = _read_common(path, optimizer, opt_param_scheduler, load_optim)
+        scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
         state, rows = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
                                              common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
         restore_rng = load_rng and common["layout"] == _layout()
@@ -317,6 +369,8 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     torch_dcp.load_sharded(path, model, optimizer, state, rows)
     if load_optim and opt_param_scheduler is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if scaler_state is not None:
+        optimizer.grad_scaler.load_state_dict(scaler_state)
     if restore_rng:
         _set_rng_state(torch.load(rng_path, weights_only=True))
     return {"iteration": common["iteration"], "extra_state": common["extra_state"], "rng_restored": restore_rng,
