@@ -35,3 +35,46 @@ def test_readme_pretraining_command_trains_and_resumes(tmp_path):
     resumed, out = _run("--train-iters", "24", "--log-interval", "4", "--load", ckpt)
     assert "loaded checkpoint" in out and "at iteration 12" in out
     assert resumed == rows[3:], f"resumed {resumed} != uninterrupted {rows[3:]}"
+
+
+def test_readme_python_snippets_run_as_written(tmp_path):
+    """Every ```python block of the README, in order, as one script under torchrun (2 ranks)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    assert len(blocks) >= 2
+    script = tmp_path / "readme_snippets.py"
+    script.write_text("\n".join(blocks))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+
+
+def _script_with_bad_flag(rank: int, *flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_bad_flag_is_one_line_on_rank_zero_with_exit_code_2():
+    flags = ["--num-layers", "0", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]
+    first = _script_with_bad_flag(0, *flags)
+    assert first.returncode == 2
+    assert first.stderr.strip().splitlines() == ["pretrain_gpt.py: error: --num-layers must be >= 1, got 0"]
+    other = _script_with_bad_flag(1, *flags)
+    assert other.returncode == 2 and other.stderr == "" and other.stdout == ""
+    unknown = _script_with_bad_flag(0, *flags[2:], "--num-layers", "2", "--no-such-flag")
+    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
+
+
+def test_sequence_parallel_at_tp1_warns_and_is_turned_off():
+    import warnings
+
+    from megatron_fsdp.training.arguments import parse_args
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                           "--seq-length", "32", "--micro-batch-size", "4", "--train-iters", "2", "--lr", "1e-3",
+                           "--mock-data", "--vocab-size", "64", "--sequence-parallel"])
+    assert args.sequence_parallel is False
+    assert any("--sequence-parallel has no effect" in str(w.message) for w in caught)
