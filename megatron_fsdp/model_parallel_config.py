@@ -7,16 +7,13 @@ from typing import Callable, Optional
 
 import torch
 
+from .utils import reject_unsupported as _reject_unsupported
+
 
 def reject_unsupported(config, unsupported: dict[str, object]) -> None:
-    """Raise for every field set away from the only value this library honours."""
-    for name, allowed in unsupported.items():
-        value = getattr(config, name)
-        if value != allowed:
-            raise NotImplementedError(
-                f"{type(config).__name__}.{name}={value!r} is not supported by megatron_fsdp "
-                f"(only {allowed!r})"
-            )
+    """Raise for a config field set away from the only value this library honours."""
+    _reject_unsupported(type(config).__name__,
+                        {name: (getattr(config, name), allowed) for name, allowed in unsupported.items()})
 
 
 @dataclasses.dataclass
