@@ -71,7 +71,8 @@ def build_model(args) -> GPTModel:
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward)
+        reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward,
+        accumulate_unsharded_grads_in_no_sync=args.torch_fsdp2_accumulate_unsharded_grads)
     return TorchFullyShardedDataParallel(config, ddp_config, model)
 
 

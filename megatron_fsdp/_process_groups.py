@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .utils import reject_unsupported
+
 SUPPORTED_ORDER_DIMS = ("tp", "cp", "ep", "dp", "pp")
 
 # Flattened views built on every mesh, as (name, root dims it spans). Megatron
@@ -104,37 +106,35 @@ def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_par
         ("num_distributed_optimizer_instances", num_distributed_optimizer_instances),
     ):
         check_positive_int(name, value)
-    if pipeline_model_parallel_size != 1 or virtual_pipeline_model_parallel_size not in (None, 1):
-        raise NotImplementedError(
-            f"pipeline parallelism is not supported by megatron_fsdp: got "
-            f"pipeline_model_parallel_size={pipeline_model_parallel_size}, "
-            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} "
-            "(only 1 / None are allowed)"
-        )
-    if expert_model_parallel_size != 1 or expert_tensor_parallel_size not in (None, 1, tensor_model_parallel_size):
-        raise NotImplementedError(
-            f"expert parallelism is not supported by megatron_fsdp: got "
-            f"expert_model_parallel_size={expert_model_parallel_size}, "
-            f"expert_tensor_parallel_size={expert_tensor_parallel_size} (only 1 is allowed)"
-        )
-    unsupported = {
-        "pipeline_model_parallel_split_rank": (pipeline_model_parallel_split_rank, None),
-        "hierarchical_context_parallel_sizes": (hierarchical_context_parallel_sizes, None),
-        "encoder_tensor_model_parallel_size": (encoder_tensor_model_parallel_size, 0),
-        "encoder_pipeline_model_parallel_size": (encoder_pipeline_model_parallel_size, 0),
-        "use_sharp": (use_sharp, False),
-        # NCCL communicator options (a YAML file) are not applied to our groups.
-        "nccl_communicator_config_path": (nccl_communicator_config_path, None),
+    no_pipeline = "there is no pipeline parallelism"
+    no_experts = "there is no expert parallelism"
+    reject_unsupported("initialize_model_parallel", {
+        "pipeline_model_parallel_size": (pipeline_model_parallel_size, 1, no_pipeline),
+        "virtual_pipeline_model_parallel_size": (
+            1 if virtual_pipeline_model_parallel_size is None else virtual_pipeline_model_parallel_size, 1,
+            no_pipeline + " (None also means none)"),
+        "pipeline_model_parallel_split_rank": (pipeline_model_parallel_split_rank, None, no_pipeline),
         # There is no pipeline communication to give a backend to.
-        "pipeline_model_parallel_comm_backend": (pipeline_model_parallel_comm_backend, None),
-        "get_embedding_ranks": (get_embedding_ranks, None),
-        "get_position_embedding_ranks": (get_position_embedding_ranks, None),
-    }
-    for name, (value, default) in unsupported.items():
-        if value != default:
-            raise NotImplementedError(
-                f"{name}={value!r} is not supported by megatron_fsdp (only {default!r} is allowed)"
-            )
+        "pipeline_model_parallel_comm_backend": (pipeline_model_parallel_comm_backend, None, no_pipeline),
+        "expert_model_parallel_size": (expert_model_parallel_size, 1, no_experts),
+        "expert_tensor_parallel_size": (
+            1 if expert_tensor_parallel_size in (None, tensor_model_parallel_size) else expert_tensor_parallel_size,
+            1, no_experts + " (None or tensor_model_parallel_size also mean the dense layers' TP)"),
+        "hierarchical_context_parallel_sizes": (hierarchical_context_parallel_sizes, None,
+                                                "there is no hierarchical context parallelism"),
+        "encoder_tensor_model_parallel_size": (encoder_tensor_model_parallel_size, 0,
+                                               "there is no encoder parallelism"),
+        "encoder_pipeline_model_parallel_size": (encoder_pipeline_model_parallel_size, 0,
+                                                 "there is no encoder parallelism"),
+        "use_sharp": (use_sharp, False, "SHARP is not used"),
+        "nccl_communicator_config_path": (nccl_communicator_config_path, None,
+                                          "NCCL communicator options (a YAML file) are not applied to "
+                                          "megatron_fsdp's groups"),
+        "get_embedding_ranks": (get_embedding_ranks, None,
+                                "with one pipeline stage the embedding group is this rank alone"),
+        "get_position_embedding_ranks": (get_position_embedding_ranks, None,
+                                         "with one pipeline stage the position-embedding group is this rank alone"),
+    })
 
     model_parallel = tensor_model_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:

@@ -33,6 +33,7 @@ from ._process_groups import (
     check_initialize_arguments as _check_initialize_arguments,
     parse_order as _parse_order,
 )
+from .utils import reject_unsupported as _reject_unsupported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +227,8 @@ def get_hybrid_data_parallel_mesh() -> DeviceMesh:
     """2D (dp_replicate, dp_shard) mesh for HSDP: replicated across
     distributed-optimizer instances, sharded within one."""
     state = _state()
-    if state.context_parallel_size > 1:
-        raise NotImplementedError("HSDP with context parallelism is not supported")
+    _reject_unsupported("parallel_state.get_hybrid_data_parallel_mesh", {
+        "context_parallel_size": (state.context_parallel_size, 1, "HSDP with context parallelism is not supported")})
     names = state.mesh.mesh_dim_names
     return state.mesh[tuple(sorted(("dp_replicate", "dp_shard"), key=names.index))]
 
@@ -385,9 +386,9 @@ def get_num_distributed_optimizer_instances() -> int:
 
 
 def _check_vp_stage(vp_stage) -> None:
-    if vp_stage not in (None, 0):
-        raise NotImplementedError(f"vp_stage={vp_stage!r}: virtual pipeline parallelism is not supported "
-                                  "(only None or 0)")
+    # None and 0 both name the one stage there is.
+    _reject_unsupported("parallel_state", {"vp_stage": (0 if vp_stage is None else vp_stage, 0,
+                                                 "there is no virtual pipeline parallelism")})
 
 
 def get_pipeline_model_parallel_world_size() -> int:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import reference_gpt
 from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel
@@ -197,11 +198,12 @@ def _case_parameters_are_2d_dtensors():
     assert norm.device_mesh.mesh_dim_names == ("dp_cp",)
     # Optimizer state and gradients are sharded like the parameters: 1/DP of a TP shard.
     assert fc1.to_local().numel() == fc1.numel() // 4
-    # Megatron's per-parameter TP attributes survive sharding (and meta materialization).
-    for meta in (False, True):
-        if meta:
+    # Megatron's per-parameter TP attributes survive sharding, meta
+    # materialization, and the fp32 cast of master weights under bf16.
+    for variant in ("normal", "meta", "bf16"):
+        if variant != "normal":
             parallel_state.destroy_model_parallel()
-            *_, wrapped = _build(2, "plain", {}, {}, {}, meta=True)
+            *_, wrapped = _build(2, "plain", {}, {}, {}, meta=variant == "meta", bf16=variant == "bf16")
         layer = wrapped.module.decoder.layers[0]
         assert (layer.mlp.linear_fc1.weight.tensor_model_parallel, layer.mlp.linear_fc1.weight.partition_dim) == (True, 0)
         assert layer.self_attention.linear_proj.weight.partition_dim == 1
@@ -241,44 +243,102 @@ class _CountCollectives:
             setattr(dist, name, fn)
 
 
-def _case_gradient_accumulation(microbatches):
-    *_, wrapped = _build(1, "plain", {}, {}, {})
+ACCUMULATION_MODES = {
+    # name: ddp_config kwargs
+    "sharded": {},  # the default: no_sync is Megatron-Core's no-op
+    "unsharded": dict(accumulate_unsharded_grads_in_no_sync=True),
+}
+
+
+def _unsharded_grad_bytes(wrapped):
+    """Walks FSDP2's state apart from the wrapper's own accounting."""
+    held = 0
+    for m in wrapped.module.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    for g in (fp.unsharded_accumulated_grad, getattr(getattr(fp, "_unsharded_param", None), "grad", None)):
+                        if g is not None:
+                            g = g.to_local() if isinstance(g, DTensor) else g
+                            held += g.numel() * g.element_size()
+    return held
+
+
+def _case_gradient_accumulation(tp, mode, bf16=False, microbatches=3):
+    ddp_kwargs = dict(ACCUMULATION_MODES[mode], grad_reduce_in_fp32=bf16)
+    cfg, model_kwargs, wrapped = _build(tp, "plain", {}, ddp_kwargs, {}, bf16=bf16)
     units = len(wrapped.fsdp_units) + 1
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 64, (microbatches * MICRO, SEQ), generator=g)
-    labels = torch.randint(0, 64, (microbatches * MICRO, SEQ), generator=g)
+    ids = torch.randint(0, 64, (microbatches, dp * MICRO, SEQ), generator=g)
+    labels = torch.randint(0, 64, (microbatches, dp * MICRO, SEQ), generator=g)
     positions = torch.arange(SEQ).expand(MICRO, SEQ)
+    rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
+    reference = {n: p.clone().requires_grad_(True) for n, p in full_params(wrapped.module).items()}
+    reference_gpt.gpt_forward(reference, cfg, ids.reshape(-1, SEQ), labels.reshape(-1, SEQ)).mean().backward()
 
-    with _CountCollectives() as big:
-        wrapped(ids, torch.arange(SEQ).expand(len(ids), SEQ), None, labels=labels).mean().backward()
-    wrapped.finish_grad_sync()
-    expected = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
-    wrapped.zero_grad_buffer()
-
-    with _CountCollectives() as accumulated:
+    held = []
+    with _CountCollectives() as seen:
         for i in range(microbatches):
             last = i == microbatches - 1
             with contextlib.nullcontext() if last else wrapped.no_sync():
-                rows = slice(i * MICRO, (i + 1) * MICRO)
-                (wrapped(ids[rows], positions, None, labels=labels[rows]).mean() / microbatches).backward()
+                loss = wrapped(ids[i, rows], positions, None, labels=labels[i, rows]).float().mean()
+                (loss / microbatches).backward()
+            if not last:
+                held.append(_unsharded_grad_bytes(wrapped))
+                reported = wrapped.unsharded_grad_bytes() if hasattr(wrapped, "unsharded_grad_bytes") else None
     wrapped.finish_grad_sync()
-    assert big.reduce_scatters == units, (
-        f"one reduce-scatter per FSDP unit expected, saw {big.reduce_scatters} for {units} units")
-    assert accumulated.reduce_scatters == units, (
-        f"no_sync must skip all reduce-scatters but the last microbatch's: saw {accumulated.reduce_scatters}")
+    if mode == "sharded":
+        assert seen.reduce_scatters == units * microbatches, (
+            f"one reduce-scatter per unit per microbatch expected: saw {seen.reduce_scatters}, "
+            f"{units} units x {microbatches} microbatches")
+        assert held == [0] * (microbatches - 1), f"unsharded gradient bytes held between microbatches: {held}"
+    else:
+        assert seen.reduce_scatters == units, (
+            f"only the last microbatch may reduce-scatter, once per unit: saw {seen.reduce_scatters}")
+        # One fp32 gradient per element of this rank's TP shard of every parameter.
+        tp_local = sum(p.numel() // (tp if getattr(p, "tensor_model_parallel", False) else 1)
+                       for p in wrapped.parameters())
+        assert held == [4 * tp_local] * (microbatches - 1), f"held {held}, expected {4 * tp_local} bytes"
+    assert reported == held[-1], f"unsharded_grad_bytes() reports {reported}, FSDP holds {held[-1]}"
+    # bf16 compute with grad_reduce_in_fp32: fp32 reduce-scatters into fp32 shards.
+    assert seen.reduce_dtypes == {torch.float32}, seen.reduce_dtypes
+    assert all(p.grad.dtype == torch.float32 for p in wrapped.parameters())
     got = {n: p.grad.full_tensor() for n, p in wrapped.module.named_parameters()}
-    assert_close_dicts(got, expected, "accumulated gradient")
+    expected = {n: p.grad for n, p in reference.items()}
+    if bf16:
+        error = torch.cat([(got[n] - expected[n]).reshape(-1) for n in expected]).norm()
+        norm = torch.cat([e.reshape(-1) for e in expected.values()]).norm()
+        assert error < 0.05 * norm, f"bf16 gradient differs by {error / norm:.1%} from the fp32 reference"
+    else:
+        assert_close_dicts(got, expected, "accumulated gradient")
 
-    # Every backward inside no_sync and none after it: finish_grad_sync refuses.
+    # Every backward inside no_sync: only the unsharded mode leaves gradients unreduced.
     wrapped.zero_grad_buffer()
+    assert _unsharded_grad_bytes(wrapped) == 0 and all(p.grad is None for p in wrapped.parameters())
     with wrapped.no_sync():
-        wrapped(ids[:MICRO], positions, None, labels=labels[:MICRO]).mean().backward()
-    with pytest.raises(RuntimeError, match="every backward ran inside no_sync"):
+        wrapped(ids[0, rows], positions, None, labels=labels[0, rows]).float().mean().backward()
+    if mode == "sharded":
         wrapped.finish_grad_sync()
+        assert all(p.grad is not None for p in wrapped.parameters())
+    else:
+        with pytest.raises(RuntimeError, match="every backward ran inside no_sync"):
+            wrapped.finish_grad_sync()
+        wrapped.zero_grad_buffer()
+        assert _unsharded_grad_bytes(wrapped) == 0
+    return got
 
 
-def _case_abandoned_accumulation():
-    *_, wrapped = _build(1, "plain", {}, {}, {})
+@pytest.mark.parametrize("tp,bf16", [(1, False), (2, False), (2, True)])
+def test_gradient_accumulation_modes_agree_with_the_reference(pools, tp, bf16):
+    sharded = pools(4).run(_case_gradient_accumulation, tp, "sharded", bf16)[0]
+    unsharded = pools(4).run(_case_gradient_accumulation, tp, "unsharded", bf16)[0]
+    # Same per-microbatch gradients, summed in another order: fp32 reordering apart.
+    assert_close_dicts(sharded, unsharded, "sharded vs unsharded accumulation")
+
+
+def _case_abandoned_accumulation(mode):
+    *_, wrapped = _build(1, "plain", {}, ACCUMULATION_MODES[mode], {})
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 64, (MICRO, SEQ), generator=g)
     positions = torch.arange(SEQ).expand(MICRO, SEQ)
@@ -294,12 +354,14 @@ def _case_abandoned_accumulation():
     assert_close_dicts(got, expected, "gradient after an abandoned no_sync accumulation")
 
 
-def test_zero_grad_buffer_drops_abandoned_accumulation(pools):
-    pools(4).run(_case_abandoned_accumulation)
+@pytest.mark.parametrize("mode", list(ACCUMULATION_MODES))
+def test_zero_grad_buffer_drops_abandoned_accumulation(pools, mode):
+    pools(4).run(_case_abandoned_accumulation, mode)
 
 
-def test_no_sync_accumulates_without_communication(pools):
-    pools(4).run(_case_gradient_accumulation, 3)
+def test_accumulation_mode_must_be_a_bool():
+    with pytest.raises(ValueError, match="accumulate_unsharded_grads_in_no_sync must be True or False, got 'yes'"):
+        TorchFullyShardedDataParallelConfig(accumulate_unsharded_grads_in_no_sync="yes")
 
 
 def _case_helpers():

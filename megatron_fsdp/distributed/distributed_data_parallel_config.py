@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..utils import reject_unsupported
+
 
 @dataclasses.dataclass
 class DistributedDataParallelConfig:
@@ -83,13 +85,8 @@ class DistributedDataParallelConfig:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {n!r}")
         defaults = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
-        for name, why in self._UNSUPPORTED.items():
-            value = getattr(self, name)
-            if value != defaults[name]:
-                raise NotImplementedError(
-                    f"{type(self).__name__}.{name}={value!r} is not supported by megatron_fsdp "
-                    f"(only {defaults[name]!r}): {why}"
-                )
+        reject_unsupported(type(self).__name__, {name: (getattr(self, name), defaults[name], why)
+                                                 for name, why in self._UNSUPPORTED.items()})
 
 
 @dataclasses.dataclass
@@ -102,10 +99,23 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     fsdp_copy_kernels: install megatron_fsdp's copy kernels for FSDP2's
     copy-in/copy-out ops (megatron_fsdp.kernels.fsdp_copy_ops); results are
     bitwise torch's. The op registry is process-wide: False removes them for
-    every FSDP module in the process."""
+    every FSDP module in the process.
+
+    accumulate_unsharded_grads_in_no_sync: False (the default, Megatron-Core's
+    behaviour) makes no_sync() a no-op: every microbatch's backward
+    reduce-scatters, and gradients accumulate in the sharded `.grad` (1/DP of
+    the model per rank). True makes backward inside no_sync() skip the
+    reduce-scatter and keep one full unsharded gradient per parameter (of this
+    rank's TP shard), in the reduce dtype, between microbatches: 4 bytes per
+    parameter in fp32, 280 GB for a 70B model at TP1, on every rank. It trades
+    that memory for one reduce-scatter per step instead of one per microbatch,
+    so it suits communication-bound runs with memory to spare. Under bf16
+    without grad_reduce_in_fp32 the unsharded accumulation is in bf16, while
+    the default accumulates each microbatch's reduced gradient in fp32 shards."""
 
     reshard_after_forward: bool | int = True
     fsdp_copy_kernels: bool = True
+    accumulate_unsharded_grads_in_no_sync: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -114,3 +124,6 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             raise ValueError(
                 f"reshard_after_forward must be True, False or an int >= 2, got {value!r}"
             )
+        if not isinstance(self.accumulate_unsharded_grads_in_no_sync, bool):
+            raise ValueError("accumulate_unsharded_grads_in_no_sync must be True or False, "
+                             f"got {self.accumulate_unsharded_grads_in_no_sync!r}")

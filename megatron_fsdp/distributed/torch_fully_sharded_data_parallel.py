@@ -10,6 +10,7 @@ turns them into 2D (DP, TP) parameters.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import torch
@@ -56,6 +57,10 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
       parameters are replicated across instances and sharded within one.
     - Copy kernels: megatron_fsdp's C++ kernels serve FSDP2's copy-in and
       copy-out ops unless `ddp_config.fsdp_copy_kernels` is False.
+    - Gradient accumulation: as in Megatron-Core, no_sync() changes nothing and
+      every microbatch reduce-scatters into the sharded gradients, unless
+      `ddp_config.accumulate_unsharded_grads_in_no_sync` trades a full
+      unsharded gradient per rank for one reduce-scatter per step.
     - Meta device: a model built under `torch.device("meta")` (or with
       `config.init_model_with_meta_device`) is materialized shard by shard
       and initialized here, from the current generator state: seeded as
@@ -78,6 +83,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
             raise ValueError("module is already sharded with fully_shard")
         self.ddp_config = ddp_config
         self.reshard_after_forward = getattr(ddp_config, "reshard_after_forward", True)
+        self.accumulate_unsharded_grads = getattr(ddp_config, "accumulate_unsharded_grads_in_no_sync", False)
         self.disable_bucketing = disable_bucketing
         self.sub_modules_to_wrap = self._wrap_classes(module, sub_modules_to_wrap)
 
@@ -88,6 +94,13 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
                               if process_group is None else process_group)
         self.fsdp_units = self._units(module)  # validates: the last check before any change
 
+        # fully_shard and to_empty make new Parameter objects, and float()
+        # swaps a DTensor parameter's contents, attributes included: Megatron's
+        # per-parameter attributes (tensor_model_parallel, ...) are restored
+        # from this snapshot.
+        originals = {name: SimpleNamespace() for name, _ in module.named_parameters()}
+        for name, param in module.named_parameters():
+            copy_tensor_model_parallel_attributes(originals[name], param)
         mp_policy = self._mixed_precision_policy(config, ddp_config)
         if mp_policy.param_dtype is not None:
             module.float()  # sharded master weights in fp32; FSDP gathers them in param_dtype
@@ -96,9 +109,6 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         else:
             disable_fsdp_copy_kernels()
         on_meta = any(p.device.type == "meta" for p in module.parameters())
-        # fully_shard and to_empty make new Parameter objects: Megatron's
-        # per-parameter attributes (tensor_model_parallel, ...) are carried over.
-        originals = dict(module.named_parameters())
         for unit in self.fsdp_units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
         # The root's parameters are needed again as soon as backward starts.
@@ -251,8 +261,14 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
 
     @contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate unsharded gradients without any
-        reduce-scatter; the first backward outside reduces everything."""
+        """By default a no-op, as in Megatron-Core: each backward inside still
+        reduce-scatters, and gradients accumulate sharded. With
+        `accumulate_unsharded_grads_in_no_sync`, backward passes inside keep
+        unsharded gradients without any reduce-scatter, and the first backward
+        outside reduces everything."""
+        if not self.accumulate_unsharded_grads:
+            yield
+            return
         self.module.set_requires_gradient_sync(False)
         self._in_no_sync = True
         try:
@@ -267,22 +283,41 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         inside no_sync(): an accumulation abandoned part-way must not leak
         into the next step."""
         super().zero_grad_buffer()
+        for fsdp_param in self._fsdp_params():
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+        self._unsynced_backward = False
+
+    def unsharded_grad_bytes(self) -> int:
+        """Bytes this rank holds in unsharded gradients awaiting a
+        reduce-scatter: zero between microbatches unless
+        `accumulate_unsharded_grads_in_no_sync` is on."""
+        held = 0
+        for fsdp_param in self._fsdp_params():
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            # fp32 training accumulates in the unsharded parameter's .grad;
+            # mixed precision upcasts into unsharded_accumulated_grad.
+            for grad in (fsdp_param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
+                if grad is not None:
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad
+                    held += local.numel() * local.element_size()
+        return held
+
+    def _fsdp_params(self):
         for module in self.module.modules():
             if isinstance(module, FSDPModule):
                 for group in module._get_fsdp_state()._fsdp_param_groups:
-                    for fsdp_param in group.fsdp_params:
-                        fsdp_param.unsharded_accumulated_grad = None
-                        unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                        if unsharded is not None:
-                            unsharded.grad = None
-        self._unsynced_backward = False
+                    yield from group.fsdp_params
 
     def start_grad_sync(self, *unused) -> None:
         """No-op: FSDP2 launches each unit's reduce-scatter during backward."""
 
     def finish_grad_sync(self) -> None:
         """Reduce-scatters are waited for at the end of backward; this checks
-        that the last backward did synchronize, and applies check_for_nan_in_grad."""
+        that the last backward did synchronize (only the opt-in unsharded
+        accumulation can skip it), and applies check_for_nan_in_grad."""
         if self._unsynced_backward:
             raise RuntimeError(
                 "gradients are not synchronized: every backward ran inside no_sync(). Run the last "

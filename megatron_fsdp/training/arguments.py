@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--use-torch-fsdp2", action="store_true")
     a("--torch-fsdp2-no-reshard-after-forward", action="store_true")
+    # Not a Megatron flag: Megatron's FSDP2 path always reduce-scatters each microbatch.
+    a("--torch-fsdp2-accumulate-unsharded-grads", action="store_true")
     a("--num-distributed-optimizer-instances", type=int, default=1)
     a("--use-distributed-optimizer", action="store_true")
     a("--accumulate-allreduce-grads-in-fp32", action="store_true")
@@ -153,8 +155,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         parser.error("--save-interval needs --save and a value >= 1")
     if not args.use_torch_fsdp2 and (args.torch_fsdp2_no_reshard_after_forward
+                                     or args.torch_fsdp2_accumulate_unsharded_grads
                                      or args.num_distributed_optimizer_instances > 1):
-        parser.error("--torch-fsdp2-no-reshard-after-forward and --num-distributed-optimizer-instances "
+        parser.error("--torch-fsdp2-no-reshard-after-forward, --torch-fsdp2-accumulate-unsharded-grads and "
+                     "--num-distributed-optimizer-instances "
                      "need --use-torch-fsdp2")
     if args.lr <= 0:
         parser.error(f"--lr must be positive, got {args.lr}")
