@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 4 benchmarks/bench_fsdp_wrapper.py --compare copy-kernels --layers 16 --hidden 64
 
 With `--compare copy-kernels` the two arms are the wrapper with megatron_fsdp's
-copy kernels and with torch's copy ops (toggled before each arm's round; the
-op registry is process-wide).
+copy kernels and with torch's copy ops (switched before each arm's round; the
+switch is process-wide).
 
 Both arms shard the same GPT model (same seed, same units: each
 TransformerLayer, the embedding, the output layer, then the root) over the
@@ -20,31 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
-from megatron_fsdp import parallel_state, tensor_parallel
+from _common import add_gpt_arguments, build_gpt, device_name, gpt_benchmark_job, local_bytes, time_arms_in_rounds
+from megatron_fsdp import parallel_state
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.kernels import fsdp_copy_ops
 from megatron_fsdp.models.gpt import GPTModel
-from megatron_fsdp.training.initialize import distributed_job
-from megatron_fsdp.transformer import TransformerConfig, TransformerLayer
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
-
-
-def build(args, config):
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    return GPTModel(config, vocab_size=args.vocab, max_sequence_length=args.seq)
+from megatron_fsdp.transformer import TransformerLayer
 
 
 def shard_by_hand(model: GPTModel) -> GPTModel:
@@ -71,38 +57,19 @@ def memory(model, optimizer) -> dict:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps-per-round", type=int, default=5)
-    p.add_argument("--seed", type=int, default=1234)
+    add_gpt_arguments(p, steps_per_round=5)
     p.add_argument("--compare", choices=["raw-fully-shard", "copy-kernels"], default="raw-fully-shard")
     args = p.parse_args()
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    with distributed_job():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    with gpt_benchmark_job(args) as config:
         device = parallel_state.get_device()
-        config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                                   tensor_model_parallel_size=args.tp, hidden_dropout=0.0, attention_dropout=0.0,
-                                   sequence_parallel=args.tp > 1)
-
-        wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
+        wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build_gpt(args, config))
         if args.compare == "raw-fully-shard":
-            baseline_name, baseline = "raw_fully_shard", shard_by_hand(build(args, config))
+            baseline_name, baseline = "raw_fully_shard", shard_by_hand(build_gpt(args, config))
         else:
             baseline_name = "torch_copy_ops"
-            baseline = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build(args, config))
+            baseline = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(),
+                                                     build_gpt(args, config))
         arms = {}
         for name, model in (("wrapper", wrapped), (baseline_name, baseline)):
             arms[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -118,42 +85,23 @@ def main():
         ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
         positions = torch.arange(args.seq, device=device).expand(args.micro_batch, -1)
 
-        def step(model, optimizer):
+        def step(name):
+            model, optimizer = arms[name]
             loss = model(ids, positions, None, labels=ids).mean()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
 
-        def timed(name):
-            select_copy_ops(name)
-            model, optimizer = arms[name]
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps_per_round):
-                step(model, optimizer)
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            return (time.perf_counter() - start) / args.steps_per_round
-
-        for name in arms:  # warm-up, and optimizer state exists for the memory count
-            select_copy_ops(name)
-            step(*arms[name])
-        times = {name: [] for name in arms}
-        for _ in range(args.rounds):
-            for name in arms:
-                times[name].append(timed(name))
+        step_ms = time_arms_in_rounds(step, arms, args.rounds, args.steps_per_round, before_round=select_copy_ops)
         result = {
             "world_size": dist.get_world_size(), "tp": args.tp,
             "dp": parallel_state.get_data_parallel_world_size(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "step_ms": {name: 1000 * statistics.median(t) for name, t in times.items()},
+            "device": device_name(),
+            "step_ms": step_ms,
             "memory_per_rank": {name: memory(*arms[name]) for name in arms},
         }
-        result["wrapper_over_baseline"] = result["step_ms"]["wrapper"] / result["step_ms"][baseline_name]
-        if cuda:
+        result["wrapper_over_baseline"] = step_ms["wrapper"] / step_ms[baseline_name]
+        if torch.cuda.is_available():
             result["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
         if dist.get_rank() == 0:
             print(json.dumps(result), flush=True)

@@ -3,11 +3,13 @@
 // time), and the Python module.
 
 #include "copy_kernels.h"
+#include "crc32c.h"
+#include "fp8_kernels.h"
 
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,15 +40,48 @@ void chunk_cat(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out
   chunk_cat_cpu(tensors, num_chunks, out);
 }
 
+at::Tensor multi_tensor_amax(at::TensorList tensors) {
+#ifdef MEGATRON_FSDP_WITH_CUDA
+  if (!tensors.empty() && tensors[0].is_cuda()) return multi_tensor_amax_cuda(tensors);
+#endif
+  return multi_tensor_amax_cpu(tensors);
+}
+
+// Bytes-like objects in, the GIL released while long buffers are read.
+template <uint32_t (*Crc)(uint32_t, const void*, size_t)>
+uint32_t crc32c_of_buffer(const pybind11::object& data, const pybind11::object& value) {
+  namespace py = pybind11;
+  if (!PyLong_Check(value.ptr())) {
+    throw py::type_error("crc32c: value must be an int, got " + std::string(Py_TYPE(value.ptr())->tp_name));
+  }
+  int overflow = 0;
+  const long long start = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  if (overflow != 0 || start < 0 || start > 0xFFFFFFFFLL) {
+    throw py::value_error("crc32c: value must be in [0, 2**32), got " + std::string(py::str(value)));
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  uint32_t crc;
+  if (view.len < (1 << 16)) {
+    crc = Crc(static_cast<uint32_t>(start), view.buf, static_cast<size_t>(view.len));
+  } else {
+    py::gil_scoped_release nogil;
+    crc = Crc(static_cast<uint32_t>(start), view.buf, static_cast<size_t>(view.len));
+  }
+  PyBuffer_Release(&view);
+  return crc;
+}
+
 // ---- FSDP2's fsdp:: copy ops (schemas in megatron_fsdp/kernels/fsdp_copy_ops.py) ----
 
-// How often each kernel served an fsdp:: op: lets tests and users see them run.
-std::atomic<int64_t> g_all_gather_copy_in_calls{0}, g_split_with_sizes_copy_calls{0}, g_chunk_cat_calls{0};
-
+// Where our kernels serve an fsdp:: op, the profiler shows a
+// "megatron_fsdp::<op>" range inside torch's "fsdp::<op>" (torch.profiler,
+// chrome traces): which kernel ran, and its time. Free when not profiling.
 std::tuple<at::Tensor, at::Tensor> fsdp_all_gather_copy_in(at::TensorList all_gather_inputs,
                                                            const at::Tensor& all_gather_output,
                                                            c10::SymIntArrayRef inp_split_sizes,
                                                            c10::SymInt all_gather_input_numel, c10::SymInt rank) {
+  RECORD_FUNCTION("megatron_fsdp::all_gather_copy_in", std::vector<c10::IValue>());
   const int64_t numel = all_gather_input_numel.expect_int();
   TORCH_CHECK(inp_split_sizes.size() == all_gather_inputs.size(), "all_gather_copy_in: ", all_gather_inputs.size(),
               " inputs but ", inp_split_sizes.size(), " split sizes");
@@ -60,7 +95,6 @@ std::tuple<at::Tensor, at::Tensor> fsdp_all_gather_copy_in(at::TensorList all_ga
               " but all_gather_input_numel is ", numel);
   at::Tensor all_gather_input = all_gather_output.narrow(0, numel * rank.expect_int(), numel);
   pack_into(all_gather_inputs, all_gather_input);
-  ++g_all_gather_copy_in_calls;
   return {all_gather_input, all_gather_output};
 }
 
@@ -74,8 +108,8 @@ void fsdp_split_with_sizes_copy(const at::Tensor& all_gather_output, c10::SymInt
     at::split_with_sizes_copy_out(out, all_gather_output, sizes, dim);
     return;
   }
+  RECORD_FUNCTION("megatron_fsdp::split_with_sizes_copy", std::vector<c10::IValue>());
   split_copy_out(all_gather_output, sizes, out);
-  ++g_split_with_sizes_copy_calls;
 }
 
 void fsdp_chunk_cat(at::TensorList tensors, int64_t dim, int64_t num_chunks, const at::Tensor& out) {
@@ -86,8 +120,8 @@ void fsdp_chunk_cat(at::TensorList tensors, int64_t dim, int64_t num_chunks, con
     at::_chunk_cat_out(result, tensors, dim, num_chunks);
     return;
   }
+  RECORD_FUNCTION("megatron_fsdp::chunk_cat", std::vector<c10::IValue>());
   chunk_cat(tensors, num_chunks, out);
-  ++g_chunk_cat_calls;
 }
 
 // Registering over torch's kernels makes the dispatcher warn about the
@@ -140,12 +174,28 @@ TORCH_LIBRARY(megatron_fsdp, m) {
   m.def("pack_into(Tensor[] inputs, Tensor(a!) out) -> ()");
   m.def("split_copy_out(Tensor src, int[] split_sizes, Tensor(a!)[] out) -> ()");
   m.def("chunk_cat(Tensor[] tensors, int num_chunks, Tensor(a!) out) -> ()");
+  m.def("multi_tensor_amax(Tensor[] tensors) -> Tensor");
+  m.def("cast_to_fp8(Tensor src, Tensor scale, ScalarType dtype, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_fsdp, CPU, m) {
   m.impl("pack_into", &megatron_fsdp::pack_into_cpu);
   m.impl("split_copy_out", &megatron_fsdp::split_copy_out_cpu);
   m.impl("chunk_cat", &megatron_fsdp::chunk_cat_cpu);
+  m.impl("multi_tensor_amax", &megatron_fsdp::multi_tensor_amax_cpu);
+  m.impl("cast_to_fp8", &megatron_fsdp::cast_to_fp8_cpu);
+}
+
+// Neither op is differentiable (an amax, a byte cast): autograd passes them
+// by, so weights that require grad give outputs that do not.
+TORCH_LIBRARY_IMPL(megatron_fsdp, Autograd, m) {
+  m.impl("multi_tensor_amax", torch::CppFunction::makeFallthrough());
+  m.impl("cast_to_fp8", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(megatron_fsdp, Meta, m) {
+  m.impl("multi_tensor_amax", &megatron_fsdp::multi_tensor_amax_meta);
+  m.impl("cast_to_fp8", &megatron_fsdp::check_cast_to_fp8_args);
 }
 
 #ifdef MEGATRON_FSDP_WITH_CUDA
@@ -153,6 +203,8 @@ TORCH_LIBRARY_IMPL(megatron_fsdp, CUDA, m) {
   m.impl("pack_into", &megatron_fsdp::pack_into_cuda);
   m.impl("split_copy_out", &megatron_fsdp::split_copy_out_cuda);
   m.impl("chunk_cat", &megatron_fsdp::chunk_cat_cuda);
+  m.impl("multi_tensor_amax", &megatron_fsdp::multi_tensor_amax_cuda);
+  m.impl("cast_to_fp8", &megatron_fsdp::cast_to_fp8_cuda);
 }
 #endif
 
@@ -190,11 +242,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install_fsdp_kernels", &install_fsdp_kernels,
         "Register our kernels for fsdp::all_gather_copy_in, split_with_sizes_copy and chunk_cat");
   m.def("uninstall_fsdp_kernels", &uninstall_fsdp_kernels, "Remove them: torch's kernels serve again");
-  m.def("fsdp_kernel_calls", []() {
-    py::dict calls;
-    calls["all_gather_copy_in"] = g_all_gather_copy_in_calls.load();
-    calls["split_with_sizes_copy"] = g_split_with_sizes_copy_calls.load();
-    calls["chunk_cat"] = g_chunk_cat_calls.load();
-    return calls;
-  });
+
+  m.def("multi_tensor_amax", [](const std::vector<at::Tensor>& tensors) { return multi_tensor_amax(tensors); },
+        nogil);
+  m.def("multi_tensor_amax_emulated",
+        [](const std::vector<at::Tensor>& tensors) { return multi_tensor_amax_emulated(tensors); }, nogil);
+
+  m.def("crc32c", &crc32c_of_buffer<crc32c>, py::arg("data"), py::arg("value") = 0,
+        "CRC-32C of a bytes-like object (C-contiguous buffer), continued from `value` like zlib.crc32");
+  m.def("crc32c_portable", &crc32c_of_buffer<crc32c_portable>, py::arg("data"), py::arg("value") = 0,
+        "crc32c with lookup tables only: what CPUs without SSE4.2 run");
+  m.def("crc32c_uses_hardware", &crc32c_uses_hardware);
 }

@@ -29,7 +29,20 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
     (dict(recompute_granularity="partial"), ValueError, r"recompute_granularity must be one of"),
     (dict(recompute_method="block"), ValueError, r"recompute_granularity is None"),
     (dict(recompute_granularity="selective", recompute_modules=["mlp"]), ValueError, r"\['mlp'\]"),
-    (dict(fp8="hybrid"), NotImplementedError, r"fp8='hybrid' is not supported"),
+    (dict(fp8="e5m2"), ValueError, r"fp8 \(--fp8-format\) must be one of \('e4m3', 'hybrid'\) or None, got 'e5m2'"),
+    (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError,
+     r"fp8_recipe='mxfp8' is not supported by megatron_fsdp \(supported: \('tensorwise', 'delayed'\)\)"),
+    (dict(fp8="e4m3", fp8_recipe="blockwise"), NotImplementedError, r"fp8_recipe='blockwise' is not supported"),
+    (dict(fp8="e4m3", fp8_recipe="current"), ValueError, r"fp8_recipe must be one of .* got 'current'"),
+    (dict(fp8="hybrid", fp8_amax_history_len=0), ValueError, r"fp8_amax_history_len must be an integer >= 1, got 0"),
+    (dict(fp8="hybrid", fp8_amax_compute_algo="mean"), ValueError, r"fp8_amax_compute_algo must be one of"),
+    (dict(fp8="hybrid", fp8_margin=0.5), ValueError, r"fp8_margin must be an integer, got 0.5"),
+    (dict(fp8_param=True), ValueError, r"fp8_param must be used together with fp8"),
+    (dict(fp8="hybrid", first_last_layers_bf16=True, num_layers_at_end_in_bf16=3), ValueError,
+     r"num_layers_at_end_in_bf16 \(3\) must be between 0 and num_layers \(2\)"),
+    (dict(fp8="hybrid", fp8_dot_product_attention=True), NotImplementedError, r"fp8_dot_product_attention=True"),
+    (dict(fp8="hybrid", tp_only_amax_red=True), NotImplementedError, r"tp_only_amax_red=True .* reduced over both"),
+    (dict(fp8="hybrid", fp8_interval=2), NotImplementedError, r"fp8_interval=2"),
     (dict(num_moe_experts=8), NotImplementedError, r"num_moe_experts=8"),
     (dict(pipeline_model_parallel_size=2), NotImplementedError, r"pipeline_model_parallel_size=2"),
     (dict(gradient_accumulation_fusion=True), NotImplementedError, r"gradient_accumulation_fusion=True"),
@@ -41,6 +54,17 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
 def test_transformer_config_rejects(overrides, error, match):
     with pytest.raises(error, match=match):
         TransformerConfig(**{**BASE, **overrides})
+
+
+def test_transformer_config_fp8_fields_have_megatron_defaults():
+    cfg = TransformerConfig(**BASE)
+    assert (cfg.fp8, cfg.fp8_recipe, cfg.fp8_margin, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo,
+            cfg.fp8_wgrad, cfg.fp8_param, cfg.first_last_layers_bf16, cfg.num_layers_at_start_in_bf16,
+            cfg.num_layers_at_end_in_bf16) == (None, "delayed", 0, 1, "most_recent", True, False, False, 1, 1)
+    for fmt in ("e4m3", "hybrid"):
+        for recipe in ("tensorwise", "delayed"):
+            TransformerConfig(**BASE, fp8=fmt, fp8_recipe=recipe, fp8_amax_compute_algo="max",
+                              fp8_amax_history_len=16, first_last_layers_bf16=True, fp8_param=True)
 
 
 def test_transformer_config_derives_megatron_defaults():

@@ -13,7 +13,6 @@ import reference_gpt
 from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel
 from megatron_fsdp import parallel_state
 from megatron_fsdp.distributed import (
-    DistributedDataParallelConfig,
     TorchFullyShardedDataParallel,
     TorchFullyShardedDataParallelConfig,
 )
@@ -423,54 +422,6 @@ def _case_gloo_sum_reduction():
 def test_gloo_reductions_are_sums_in_every_unit(pools):
     pools(4).run(_case_gloo_sum_reduction)
 
-
-def _case_bad_input(case):
-    setup_parallel(2 if case == "foreign_group_with_tp" else 1)
-    cfg = make_config()
-    model = GPTModel(cfg, vocab_size=64, max_sequence_length=SEQ)
-    if case == "reshard_size":
-        TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(reshard_after_forward=3), model)
-    elif case == "instances":
-        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(num_distributed_optimizer_instances=2), model)
-    elif case == "ddp_config_type":
-        TorchFullyShardedDataParallel(cfg, {"grad_reduce_in_fp32": True}, model)
-    elif case == "wrap_class":
-        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model, sub_modules_to_wrap={int})
-    elif case == "skip_bias_unit":
-        from megatron_fsdp.tensor_parallel import RowParallelLinear
-        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model,
-                                      sub_modules_to_wrap={RowParallelLinear})
-    elif case == "foreign_group_with_tp":
-        group = dist.new_group(list(range(dist.get_world_size())))
-        TorchFullyShardedDataParallel(cfg, DistributedDataParallelConfig(), model, process_group=group)
-    else:
-        raise AssertionError(case)
-
-
-@pytest.mark.parametrize("case,error,match", [
-    ("reshard_size", "ValueError", "reshard_after_forward=3 must be a divisor of the data-parallel shard size (4)"),
-    ("instances", "ValueError", "num_distributed_optimizer_instances (2) differs from parallel_state's (1)"),
-    ("ddp_config_type", "TypeError", "ddp_config must be a DistributedDataParallelConfig"),
-    ("wrap_class", "TypeError", "sub_modules_to_wrap must hold nn.Module subclasses"),
-    ("skip_bias_unit", "ValueError", "returns its bias (skip_bias_add=True)"),
-    ("foreign_group_with_tp", "ValueError", "cannot be combined with tensor parallelism"),
-])
-def test_bad_input_raises_on_every_rank(pools, case, error, match):
-    for e in pools(4).run_expecting_errors(_case_bad_input, case):
-        assert e.type_name == error and match in e.message, f"rank {e.rank}: {e.type_name}: {e.message}"
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(bucket_size=1000), "bucket_size=1000 is not supported"),
-    (dict(fp8_param_gather=True), "fp8_param_gather=True is not supported"),
-    (dict(data_parallel_sharding_strategy="optim_grads_params"), "use reshard_after_forward"),
-    (dict(use_custom_fsdp=True), "not Megatron-FSDP"),
-])
-def test_ddp_config_rejects_unsupported_fields(kwargs, match):
-    with pytest.raises(NotImplementedError, match=match):
-        TorchFullyShardedDataParallelConfig(**kwargs)
-    with pytest.raises(ValueError, match="reshard_after_forward must be True, False or an int >= 2, got 1"):
-        TorchFullyShardedDataParallelConfig(reshard_after_forward=1)
 
 
 def _case_collectives_per_step(layout):

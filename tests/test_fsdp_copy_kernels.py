@@ -1,11 +1,18 @@
-"""Our kernels behind FSDP2's fsdp:: copy ops: bitwise torch's results."""
+"""Our kernels behind FSDP2's fsdp:: copy ops: bitwise torch's results.
 
+Which kernel served an op is read from the profiler: where ours run, the
+trace holds a `megatron_fsdp::<op>` range (csrc/bindings.cpp); torch's path
+has none.
+"""
+
+import collections
 import contextlib
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from helpers import full_params, make_config, setup_parallel
 from megatron_fsdp import parallel_state
@@ -43,13 +50,21 @@ def _shapes(g, count, min_rows=0, max_rows=9):
     return shapes
 
 
+def _profiled(fn):
+    """fn()'s result and how often each of our fsdp:: kernels ran in it."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = fn()
+    ours = {f"megatron_fsdp::{name}" for name in fsdp_copy_ops.EXPECTED_SCHEMAS}
+    ran = collections.Counter(e.name.split("::")[1] for e in prof.events() if e.name in ours)
+    return result, ran
+
+
 def _run_both(fn):
     with kernels(False):
-        expected = fn()
-    before = fsdp_copy_ops.kernel_calls()
+        expected, ran_off = _profiled(fn)
+    assert not ran_off, f"our kernels ran while disabled: {ran_off}"
     with kernels(True):
-        got = fn()
-    ran = {k: n - before[k] for k, n in fsdp_copy_ops.kernel_calls().items()}
+        got, ran = _profiled(fn)
     return expected, got, ran
 
 
@@ -138,6 +153,22 @@ def test_other_schema_falls_back_with_one_warning(monkeypatch):
         assert not fsdp_copy_ops.fsdp_copy_kernels_enabled()
 
 
+@pytest.mark.parametrize("decided,env,expected", [
+    (None, None, True), (None, "0", False), (None, "off", False), (False, None, False), (False, "1", False),
+    (True, "0", True)])
+def test_process_level_switch(monkeypatch, decided, env, expected):
+    # What the FSDP wrapper calls: on by default, off with MEGATRON_FSDP_COPY_KERNELS=0 or after
+    # disable_fsdp_copy_kernels(); an explicit enable_/disable_ call wins over the variable.
+    with kernels(False):  # on exit, enable_/disable_ restore the switch too
+        fsdp_copy_ops._wanted = decided
+        if env is None:
+            monkeypatch.delenv("MEGATRON_FSDP_COPY_KERNELS", raising=False)
+        else:
+            monkeypatch.setenv("MEGATRON_FSDP_COPY_KERNELS", env)
+        assert fsdp_copy_ops.install_fsdp_copy_kernels_by_default() == expected
+        assert fsdp_copy_ops.fsdp_copy_kernels_enabled() == expected
+
+
 def test_mixed_precision_hook_fits_this_torch():
     # Fails loudly when torch changes the FSDP2 internals the hook replaces.
     assert fsdp_mixed_precision_hook.supported(), f"torch {torch.__version__}: update fsdp_mixed_precision_hook"
@@ -147,28 +178,56 @@ def test_mixed_precision_hook_fits_this_torch():
         assert not fsdp_mixed_precision_hook.installed()
 
 
+@contextlib.contextmanager
+def _watch_fused_cast(seen: list):
+    """Records, for each all-gather input FSDP2 builds, whether it reached the
+    copy-in uncast (marked by fsdp_mixed_precision_hook)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    hooked = _fsdp_collectives._get_param_all_gather_inputs
+
+    def watching(fsdp_params):
+        inputs = hooked(fsdp_params)
+        seen.extend(hasattr(t, fsdp_mixed_precision_hook._CAST_ATTR) for group in inputs for t in group)
+        return inputs
+
+    _fsdp_collectives._get_param_all_gather_inputs = watching
+    try:
+        yield
+    finally:
+        _fsdp_collectives._get_param_all_gather_inputs = hooked
+
+
 def _train(tp, use_kernels, steps=3, precision=None):
     setup_parallel(tp)
     cfg = make_config(hidden_size=36, ffn_hidden_size=50, sequence_parallel=tp > 1,
                       bf16=precision == "bf16", fp16=precision == "fp16")
     model = GPTModel(cfg, vocab_size=66 if tp == 1 else 64, max_sequence_length=16)
-    wrapped = TorchFullyShardedDataParallel(
-        cfg, TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=use_kernels), model)
+    # The process-level switch; the wrapper installs the kernels unless it is off.
+    if use_kernels:
+        fsdp_copy_ops.enable_fsdp_copy_kernels()
+    else:
+        fsdp_copy_ops.disable_fsdp_copy_kernels()
+    wrapped = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(), model)
     assert fsdp_copy_ops.fsdp_copy_kernels_enabled() == use_kernels
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
-    losses = []
-    before = fsdp_copy_ops.kernel_calls()
-    fused_before = fsdp_mixed_precision_hook.calls["fused_cast_inputs"]
-    for _ in range(steps):
-        ids = torch.randint(0, 64, (2, 16), generator=g)
-        loss = wrapped(ids, torch.arange(16).expand(2, 16), None, labels=ids).float().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    ran = {k: n - before[k] for k, n in fsdp_copy_ops.kernel_calls().items()}
-    ran["fused_cast_inputs"] = fsdp_mixed_precision_hook.calls["fused_cast_inputs"] - fused_before
+    uncast = []
+
+    def steps_():
+        losses = []
+        for _ in range(steps):
+            ids = torch.randint(0, 64, (2, 16), generator=g)
+            loss = wrapped(ids, torch.arange(16).expand(2, 16), None, labels=ids).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    with _watch_fused_cast(uncast):
+        losses, ran = _profiled(steps_)
+    ran["fused_cast_inputs"] = sum(uncast)
     weights = full_params(wrapped.module)
     parallel_state.destroy_model_parallel()
     return torch.stack(losses), weights, ran

@@ -2,7 +2,7 @@
 
 core: CheckpointError and the collectives that give every rank one verdict.
 publish: durable writes and the atomic publish of a checkpoint directory.
-checksums: crc32 of every file, computed while writing; the manifest; verification.
+checksums: a checksum of every file (crc32c, or zlib crc32 without the extension), computed while writing; the manifest; verification.
 vocab_padding: vocabulary rows loaded across a different padding.
 torch_dcp: the sharded save/load of model, optimizer and fp32 main params.
 export: the full weights as one safetensors file.

@@ -27,6 +27,10 @@ class DistributedDataParallelConfig:
     - check_for_nan_in_grad: finish_grad_sync() raises if a gradient is not finite.
     - average_in_collective: gradients are averaged over data-parallel ranks
       either way; the flag only selects how Megatron computes the same mean.
+    - fp8_param_gather: the tensor-parallel linear weights are all-gathered in
+      fp8 (half the bytes of bf16) through FSDP2's tensor-subclass extension
+      (megatron_fsdp.fp8); needs `config.fp8` and a True/False
+      reshard_after_forward, checked when the model is wrapped.
     """
 
     grad_reduce_in_fp32: bool = False
@@ -62,7 +66,6 @@ class DistributedDataParallelConfig:
         "bucket_size": "FSDP2 communicates per wrapped module: choose the units with sub_modules_to_wrap, "
                        "or one unit with disable_bucketing=True",
         "pad_buckets_for_high_nccl_busbw": "FSDP2 has no Megatron buckets",
-        "fp8_param_gather": "fp8 all-gather is not implemented yet",
         "reuse_grad_buf_for_mxfp8_param_ag": "mxfp8 is not supported",
         "use_custom_fsdp": "this is the torch FSDP2 path, not Megatron-FSDP",
         "use_megatron_fsdp": "this is the torch FSDP2 path, not Megatron-FSDP",
@@ -71,7 +74,7 @@ class DistributedDataParallelConfig:
         "gradient_reduce_div_fusion": "a Megatron-FSDP option",
         "suggested_communication_unit_size": "a Megatron-FSDP option; use sub_modules_to_wrap",
         "preserve_fp32_weights": "master weights are always fp32 under mixed precision",
-        "keep_fp8_transpose_cache": "fp8 is not supported",
+        "keep_fp8_transpose_cache": "a Transformer Engine fp8 option",
         "nccl_ub": "NCCL user buffers are not supported",
         "fsdp_double_buffer": "a Megatron-FSDP option",
         "outer_dp_sharding_strategy": "a Megatron-FSDP option; HSDP replicates across "
@@ -84,6 +87,8 @@ class DistributedDataParallelConfig:
         n = self.num_distributed_optimizer_instances
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {n!r}")
+        if not isinstance(self.fp8_param_gather, bool):
+            raise ValueError(f"fp8_param_gather must be True or False, got {self.fp8_param_gather!r}")
         defaults = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}
         reject_unsupported(type(self).__name__, {name: (getattr(self, name), defaults[name], why)
                                                  for name, why in self._UNSUPPORTED.items()})
@@ -95,11 +100,6 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     gathers them again in backward (ZeRO-3); False keeps them until backward
     (ZeRO-2); an int n keeps them sharded over groups of n ranks in between
     (n must divide the data-parallel shard size).
-
-    fsdp_copy_kernels: install megatron_fsdp's copy kernels for FSDP2's
-    copy-in/copy-out ops (megatron_fsdp.kernels.fsdp_copy_ops); results are
-    bitwise torch's. The op registry is process-wide: False removes them for
-    every FSDP module in the process.
 
     accumulate_unsharded_grads_in_no_sync: False (the default, Megatron-Core's
     behaviour) makes no_sync() a no-op: every microbatch's backward
@@ -114,7 +114,6 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     the default accumulates each microbatch's reduced gradient in fp32 shards."""
 
     reshard_after_forward: bool | int = True
-    fsdp_copy_kernels: bool = True
     accumulate_unsharded_grads_in_no_sync: bool = False
 
     def __post_init__(self):
@@ -124,6 +123,10 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             raise ValueError(
                 f"reshard_after_forward must be True, False or an int >= 2, got {value!r}"
             )
+        if self.fp8_param_gather and not isinstance(value, bool):
+            # FSDP2's all-gather extensions (the fp8 weight's hooks) cannot reshard to a smaller group.
+            raise ValueError(f"reshard_after_forward={value} cannot be combined with fp8_param_gather=True: "
+                             "use True or False")
         if not isinstance(self.accumulate_unsharded_grads_in_no_sync, bool):
             raise ValueError("accumulate_unsharded_grads_in_no_sync must be True or False, "
                              f"got {self.accumulate_unsharded_grads_in_no_sync!r}")

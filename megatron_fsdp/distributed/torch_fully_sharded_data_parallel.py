@@ -1,42 +1,26 @@
 """TorchFullyShardedDataParallel: Megatron-Core's FSDP2 wrapper, done fully.
 
-The parallelism plan lives in one place, `__init__`: choose the data-parallel
-mesh, the mixed-precision policy and the FSDP units, then `fully_shard` each
-unit bottom-up and the root last. Tensor-parallel weights are DTensors on the
-"tp" dimension of the same root mesh as the data-parallel mesh, so FSDP2
-turns them into 2D (DP, TP) parameters.
+The constructor is the plan of fsdp_plan.py: validate and decide
+(`plan_fsdp`), then apply it (`apply_fsdp_plan`). This class adds
+Megatron's data-parallel interface on top.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .. import parallel_state
-from ..initialization import initialize_parameters
-from ..kernels.fsdp_copy_ops import disable_fsdp_copy_kernels, enable_fsdp_copy_kernels
-from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from ..tensor_parallel.layers import ColumnParallelLinear
-from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
-from ..transformer.transformer_layer import TransformerLayer
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
-
-DEFAULT_SUB_MODULES_TO_WRAP = frozenset({TransformerLayer, LanguageModelEmbedding, RotaryEmbedding,
-                                         ColumnParallelLinear})
-
-
-def _mesh_device_type(group: dist.ProcessGroup) -> str:
-    return parallel_state._backend_device_type(dist.get_backend(group))
+from .fsdp_plan import apply_fsdp_plan, plan_fsdp
+from .fsdp_units import DEFAULT_SUB_MODULES_TO_WRAP
 
 
 class TorchFullyShardedDataParallel(_BaseDataParallel):
@@ -45,18 +29,25 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
     - Units: every outermost submodule that is an instance of a class in
       `sub_modules_to_wrap` (plus classes listed in any submodule's
       `_fsdp_modules`) is its own unit, sharded bottom-up; the root module is
-      the last unit. (Instances nested in a unit join it.) `disable_bucketing=True` makes the root the only unit: one
-      all-gather and one reduce-scatter for the whole model per step.
+      the last unit. (Instances nested in a unit join it.) The default set is
+      the classes declared with `fsdp_units.default_fsdp_unit`: Megatron's
+      TransformerLayer, LanguageModelEmbedding, RotaryEmbedding and
+      ColumnParallelLinear. `disable_bucketing=True` makes the root the only
+      unit: one all-gather and one reduce-scatter for the whole model per step.
     - A parameter used outside the unit that owns it (tied embedding and
       output weights) stays in the root unit, which is gathered for the whole
       forward and backward.
     - Mixed precision: with `config.bf16`/`config.fp16` the sharded master
       weights are fp32 and the gathered weights bf16/fp16; gradients are
       reduced in that dtype, or in fp32 with `ddp_config.grad_reduce_in_fp32`.
+    - fp8: with `ddp_config.fp8_param_gather` (and `config.fp8`) the linear
+      weights are gathered as fp8 (megatron_fsdp.fp8).
     - HSDP: with `ddp_config.num_distributed_optimizer_instances > 1` the
       parameters are replicated across instances and sharded within one.
     - Copy kernels: megatron_fsdp's C++ kernels serve FSDP2's copy-in and
-      copy-out ops unless `ddp_config.fsdp_copy_kernels` is False.
+      copy-out ops unless the process turned them off
+      (megatron_fsdp.kernels.fsdp_copy_ops.disable_fsdp_copy_kernels() or
+      MEGATRON_FSDP_COPY_KERNELS=0).
     - Gradient accumulation: as in Megatron-Core, no_sync() changes nothing and
       every microbatch reduce-scatters into the sharded gradients, unless
       `ddp_config.accumulate_unsharded_grads_in_no_sync` trades a full
@@ -77,180 +68,19 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         process_group: Optional[dist.ProcessGroup] = None,
     ):
         super().__init__(config=config, module=module)
-        if not isinstance(ddp_config, DistributedDataParallelConfig):
-            raise TypeError(f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}")
-        if isinstance(module, FSDPModule):
-            raise ValueError("module is already sharded with fully_shard")
+        plan = plan_fsdp(config, ddp_config, module, sub_modules_to_wrap, disable_bucketing, process_group)
+        apply_fsdp_plan(module, plan)
         self.ddp_config = ddp_config
-        self.reshard_after_forward = getattr(ddp_config, "reshard_after_forward", True)
-        self.accumulate_unsharded_grads = getattr(ddp_config, "accumulate_unsharded_grads_in_no_sync", False)
         self.disable_bucketing = disable_bucketing
-        self.sub_modules_to_wrap = self._wrap_classes(module, sub_modules_to_wrap)
-
-        mesh = self._data_parallel_mesh(process_group)
-        self._check_reshard_size(mesh)
-        self.device_mesh = mesh
-        self.process_group = (parallel_state.get_data_parallel_group(with_context_parallel=True)
-                              if process_group is None else process_group)
-        self.fsdp_units = self._units(module)  # validates: the last check before any change
-
-        # fully_shard and to_empty make new Parameter objects, and float()
-        # swaps a DTensor parameter's contents, attributes included: Megatron's
-        # per-parameter attributes (tensor_model_parallel, ...) are restored
-        # from this snapshot.
-        originals = {name: SimpleNamespace() for name, _ in module.named_parameters()}
-        for name, param in module.named_parameters():
-            copy_tensor_model_parallel_attributes(originals[name], param)
-        mp_policy = self._mixed_precision_policy(config, ddp_config)
-        if mp_policy.param_dtype is not None:
-            module.float()  # sharded master weights in fp32; FSDP gathers them in param_dtype
-        if getattr(ddp_config, "fsdp_copy_kernels", True):
-            enable_fsdp_copy_kernels()
-        else:
-            disable_fsdp_copy_kernels()
-        on_meta = any(p.device.type == "meta" for p in module.parameters())
-        for unit in self.fsdp_units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp_policy)
-        # The root's parameters are needed again as soon as backward starts.
-        root_reshard = False if self.reshard_after_forward is True else self.reshard_after_forward
-        fully_shard(module, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp_policy)
-        if dist.get_backend(self.process_group) == "gloo":
-            # gloo rejects ReduceOp.PREMUL_SUM, which FSDP2 reduces with once a
-            # gradient divide factor other than the group size is set
-            # (set_gradient_divide_factor); forcing SUM makes it divide after
-            # the reduction instead. The setting belongs to each fully_shard
-            # call's parameter group, so every unit needs it, not the root alone.
-            for fsdp_module in module.modules():
-                if isinstance(fsdp_module, FSDPModule):
-                    fsdp_module.set_force_sum_reduction_for_comms(True)
-        if getattr(config, "recompute_granularity", None) is not None:
-            # Recomputation re-runs forwards inside backward and confuses FSDP's
-            # implicit prefetch order; prefetch the previous unit explicitly.
-            for previous, unit in zip(self.fsdp_units_in_forward_order, self.fsdp_units_in_forward_order[1:]):
-                unit.set_modules_to_backward_prefetch([previous])
-        if on_meta:
-            # Materialize only the shards, then draw the values a normal build would.
-            module.to_empty(device=parallel_state.get_device() if process_group is None
-                            else torch.device(_mesh_device_type(process_group)))
-            initialize_parameters(module)
-        for name, param in module.named_parameters():
-            copy_tensor_model_parallel_attributes(param, originals[name])
+        self.sub_modules_to_wrap = plan.wrap_classes
+        self.device_mesh = plan.mesh
+        self.process_group = plan.process_group
+        self.reshard_after_forward = plan.reshard_after_forward
+        self.fsdp_units_in_forward_order = list(plan.units)
+        self.fsdp_units = list(reversed(plan.units))  # in the order they were sharded
+        self.accumulate_unsharded_grads = getattr(ddp_config, "accumulate_unsharded_grads_in_no_sync", False)
         self._in_no_sync = False
         self._unsynced_backward = False
-
-    # ------------------------------------------------------------ the plan
-
-    @staticmethod
-    def _wrap_classes(module: nn.Module, sub_modules_to_wrap: Iterable[type]) -> frozenset:
-        classes = set(sub_modules_to_wrap)
-        for sub in module.modules():
-            classes.update(getattr(sub, "_fsdp_modules", ()))
-        for cls in classes:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise TypeError(f"sub_modules_to_wrap must hold nn.Module subclasses, got {cls!r}")
-        return frozenset(classes)
-
-    def _data_parallel_mesh(self, process_group: Optional[dist.ProcessGroup]) -> DeviceMesh:
-        instances = self.ddp_config.num_distributed_optimizer_instances
-        if process_group is not None:
-            if instances > 1:
-                raise ValueError("process_group cannot be combined with num_distributed_optimizer_instances > 1")
-            if parallel_state.model_parallel_is_initialized():
-                for with_cp in (True, False):
-                    if process_group is parallel_state.get_data_parallel_group(with_context_parallel=with_cp):
-                        return parallel_state.get_data_parallel_mesh(with_context_parallel=with_cp)
-            if any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in self.module.parameters()):
-                raise ValueError(
-                    "a process_group other than parallel_state's data-parallel group cannot be combined "
-                    "with tensor parallelism: the FSDP mesh must share its root with the TP mesh"
-                )
-            return DeviceMesh.from_group(process_group, _mesh_device_type(process_group))
-        if instances != parallel_state.get_num_distributed_optimizer_instances():
-            raise ValueError(
-                f"ddp_config.num_distributed_optimizer_instances ({instances}) differs from "
-                f"parallel_state's ({parallel_state.get_num_distributed_optimizer_instances()}); pass the "
-                "same value to initialize_model_parallel"
-            )
-        if instances > 1:
-            return parallel_state.get_hybrid_data_parallel_mesh()
-        return parallel_state.get_data_parallel_mesh(with_context_parallel=True)
-
-    def _check_reshard_size(self, mesh: DeviceMesh) -> None:
-        r = self.reshard_after_forward
-        if isinstance(r, bool):
-            return
-        if any(isinstance(p, DTensor) for p in self.module.parameters()):
-            raise NotImplementedError(
-                f"reshard_after_forward={r}: torch FSDP2 cannot reshard tensor-parallel (DTensor) "
-                "parameters to a smaller mesh; use True or False with tensor parallelism"
-            )
-        shard_size = mesh.size(mesh.ndim - 1)
-        if shard_size % r != 0 or r >= shard_size:
-            raise ValueError(
-                f"reshard_after_forward={r} must be a divisor of the data-parallel shard size "
-                f"({shard_size}) smaller than it"
-            )
-
-    @staticmethod
-    def _mixed_precision_policy(config, ddp_config) -> MixedPrecisionPolicy:
-        if getattr(config, "bf16", False):
-            param_dtype = torch.bfloat16
-        elif getattr(config, "fp16", False):
-            param_dtype = torch.float16
-        else:
-            param_dtype = None
-        reduce_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param_dtype
-        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-
-    def _units(self, root: nn.Module) -> list[nn.Module]:
-        """The submodules to shard, descendants before ancestors.
-
-        An instance of a wrap class nested inside another one joins the outer
-        unit: a unit's parameters are freed when its forward returns, so the
-        bias a Megatron linear returns with skip_bias_add (a view of its
-        parameter) must not outlive its unit.
-        """
-        if self.disable_bucketing:
-            self.fsdp_units_in_forward_order = []
-            return []
-        kept_in_root = self._modules_owning_shared_params(root)
-        wrap = tuple(self.sub_modules_to_wrap)
-        units: list[nn.Module] = []
-
-        def visit(m: nn.Module) -> None:
-            for child in m.children():
-                if isinstance(child, wrap) and child not in kept_in_root:
-                    if getattr(child, "skip_bias_add", False) and getattr(child, "bias", None) is not None:
-                        raise ValueError(
-                            f"{type(child).__name__} returns its bias (skip_bias_add=True), so it cannot be "
-                            "an FSDP unit of its own: wrap the module that consumes the bias instead"
-                        )
-                    units.append(child)
-                else:
-                    visit(child)
-
-        visit(root)
-        self.fsdp_units_in_forward_order = units
-        return list(reversed(units))
-
-    @staticmethod
-    def _modules_owning_shared_params(root: nn.Module) -> set[nn.Module]:
-        """Modules (and their ancestors) owning a parameter that another part
-        of the model uses in forward, such as a tied embedding weight."""
-        shared = getattr(root, "shared_embedding_or_output_weight", None)
-        if shared is None or not getattr(root, "share_embeddings_and_output_weights", False):
-            return set()
-        weight = shared()
-        owners: set[nn.Module] = set()
-
-        def visit(m: nn.Module, path: list[nn.Module]) -> None:
-            if any(p is weight for p in m.parameters(recurse=False)):
-                owners.update(path + [m])
-            for child in m.children():
-                visit(child, path + [m])
-
-        visit(root, [])
-        return owners
 
     # ------------------------------------------------------------ Megatron's interface
 

@@ -3,6 +3,12 @@
 Importing `megatron_fsdp._C` registers the `torch.ops.megatron_fsdp.*` ops.
 When the extension was not built, the same functions run a pure-PyTorch
 fallback with identical results, and `extension_available()` says so.
+
+  pack_into          many tensors into one flat buffer (FSDP copy-in; fsdp_copy_ops installs
+                     the kernels behind FSDP2's own copy ops)
+  multi_tensor_amax  max(|t|) of many tensors in one pass (fp8 scales)
+  cast_to_fp8        scaled, saturating cast into fp8 bytes (fp8 all-gather inputs)
+  crc32c             CRC-32C of a buffer (checkpoint checksums)
 """
 
 from __future__ import annotations
@@ -62,3 +68,9 @@ def pack_into(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         ext.pack_into(list(inputs), out)  # direct call: no per-tensor boxing
     else:
         _pack_into_reference(inputs, out)
+
+
+# The other kernels' Python faces (each with its pure-PyTorch fallback).
+from .amax import multi_tensor_amax  # noqa: E402
+from .crc import crc32c  # noqa: E402
+from .fp8_cast import cast_to_fp8  # noqa: E402

@@ -9,7 +9,8 @@ running torch declares exactly the schemas we implement; with any other
 torch it warns once and leaves torch's path alone. The registration is
 process-wide, as the op registry is; `disable_fsdp_copy_kernels()` removes it
 and torch's kernels serve again. Results are bitwise those of torch's ops, except the payload of
-NaNs cast to bf16 on CPU (still NaN; see README).
+NaNs cast to bf16 on CPU (still NaN; see README). Where ours serve an op, the
+profiler shows a `megatron_fsdp::<op>` range inside torch's `fsdp::<op>`.
 
 Under mixed precision the cast of each fp32 shard to the all-gather dtype is
 fused into the copy-in (see fsdp_mixed_precision_hook, installed with the
@@ -18,6 +19,7 @@ kernels).
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -37,14 +39,10 @@ EXPECTED_SCHEMAS = {
 _lock = threading.Lock()
 _installed = False
 _warned = False
-
-
-def kernel_calls() -> dict[str, int]:
-    """How often our kernels have served each fsdp:: op in this process."""
-    ext = _load_extension()
-    if isinstance(ext, ImportError):
-        return {name: 0 for name in EXPECTED_SCHEMAS}
-    return dict(ext.fsdp_kernel_calls())
+# The process-level switch: None until decided, then True/False. The
+# environment variable MEGATRON_FSDP_COPY_KERNELS=0 turns the default off;
+# enable_/disable_fsdp_copy_kernels() decide it explicitly.
+_wanted: bool | None = None
 
 
 def schema_mismatches() -> dict[str, str]:
@@ -74,7 +72,8 @@ def enable_fsdp_copy_kernels() -> bool:
     built or this torch declares different schemas. Call it once, before
     training; the raw `fully_shard` user's one call.
     """
-    global _installed, _warned
+    global _installed, _warned, _wanted
+    _wanted = True
     with _lock:
         if _installed:
             return True
@@ -101,9 +100,21 @@ def enable_fsdp_copy_kernels() -> bool:
         return True
 
 
+def install_fsdp_copy_kernels_by_default() -> bool:
+    """What the FSDP wrapper calls: install the kernels unless this process
+    turned them off (`disable_fsdp_copy_kernels()` or the environment variable
+    MEGATRON_FSDP_COPY_KERNELS=0). Returns whether they serve."""
+    wanted = _wanted
+    if wanted is None:
+        wanted = os.environ.get("MEGATRON_FSDP_COPY_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return enable_fsdp_copy_kernels() if wanted else False
+
+
 def disable_fsdp_copy_kernels() -> None:
-    """Remove our registrations; torch's kernels serve the fsdp:: ops again."""
-    global _installed
+    """Remove our registrations; torch's kernels serve the fsdp:: ops again,
+    and the FSDP wrapper leaves them off in this process."""
+    global _installed, _wanted
+    _wanted = False
     with _lock:
         fsdp_mixed_precision_hook.uninstall()
         if _installed:

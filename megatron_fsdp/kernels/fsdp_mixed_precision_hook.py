@@ -29,7 +29,6 @@ _EXPECTED_PARAMETERS = {
     "_get_all_gather_input_metadatas": ["param_all_gather_inputs"],
 }
 _originals: Optional[dict] = None
-calls = {"fused_cast_inputs": 0}
 
 
 def _collectives():
@@ -65,16 +64,12 @@ def _param_all_gather_inputs(fsdp_params):
         # torch's path: its byte-level packing assumes already-cast inputs.
         return _originals["_get_param_all_gather_inputs"](fsdp_params)
     inputs = []
-    fused = 0
     for fsdp_param in fsdp_params:
         data = (fsdp_param._sharded_param_data if fsdp_param.sharded_state == ShardedState.SHARDED
                 else fsdp_param._sharded_post_forward_param_data)
         marked = data.view(data.shape)  # a fresh view to carry the mark, not the shard itself
         setattr(marked, _CAST_ATTR, fsdp_param.param_dtype)
         inputs.append([marked])
-        fused += 1
-    if fused:
-        calls["fused_cast_inputs"] += fused
     return inputs
 
 

@@ -4,7 +4,9 @@ Weights are DTensors on the tensor-parallel mesh (column: Shard(0), row:
 Shard(1), vocab: Shard(0)), so FSDP2 composes them into 2D (DP, TP)
 parameters and distributed checkpoints reshard across TP sizes. The forward
 pass is Megatron's: explicit communication (mappings.py) around local matmuls
-on the shards.
+on the shards. A layer whose GEMMs run in fp8 (`enable_fp8`, which
+TransformerLayer calls as the config's fp8 settings say) does that matmul
+with `megatron_fsdp.fp8.fp8_linear`; the bias is added in high precision.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import parallel_state
+from ..fp8.linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
 from ..utils import reject_unsupported
 from .mappings import (
     copy_to_tensor_model_parallel_region,
@@ -42,6 +45,11 @@ def _check_input(layer: str, x: torch.Tensor, expected: int, what: str) -> None:
         raise ValueError(
             f"{layer}: input's last dimension is {x.size(-1)}, expected {expected} ({what})"
         )
+
+
+def _enable_fp8(layer: nn.Module, recipe, out_features: int, in_features: int) -> None:
+    check_fp8_weight_shape(type(layer).__name__, out_features, in_features)
+    layer.fp8_state = Fp8LinearState(recipe)
 
 
 def _sp_shared(param: Optional[torch.Tensor], sequence_parallel: bool) -> Optional[torch.Tensor]:
@@ -93,6 +101,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_comm_buffer_name = tp_comm_buffer_name  # names a TE comm buffer; no buffer here
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.output_size_per_partition = divide(output_size, tp_size)
+        self.fp8_state: Optional[Fp8LinearState] = None  # set by enable_fp8
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
@@ -131,15 +140,25 @@ class ColumnParallelLinear(nn.Module):
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_)
         bias = local_tensor(self.bias) if self.bias is not None else None
-        output = F.linear(input_parallel, weight, None if self.skip_bias_add else bias)
+        if self.fp8_state is not None:
+            output = fp8_linear(input_parallel, weight, self.fp8_state)
+            if bias is not None and not self.skip_bias_add:
+                output = output + bias
+        else:
+            output = F.linear(input_parallel, weight, None if self.skip_bias_add else bias)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (bias if self.skip_bias_add else None)
 
+    def enable_fp8(self, recipe) -> None:
+        """Run the GEMMs of this layer in fp8 (megatron_fsdp.fp8; an fp8.Fp8Recipe)."""
+        _enable_fp8(self, recipe, self.output_size_per_partition, self.input_size)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+                f"bias={self.bias is not None}, gather_output={self.gather_output}"
+                + (f", fp8={self.fp8_state.recipe.format}" if self.fp8_state is not None else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -178,6 +197,7 @@ class RowParallelLinear(nn.Module):
         self.tp_comm_buffer_name = tp_comm_buffer_name
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size_per_partition = divide(input_size, tp_size)
+        self.fp8_state: Optional[Fp8LinearState] = None  # set by enable_fp8
         self.weight = make_tp_parameter(
             init_full_tensor((output_size, input_size), init_method, config), 1, config)
         record_init(self, "weight", init_method, config)
@@ -197,7 +217,10 @@ class RowParallelLinear(nn.Module):
         else:
             _check_input("RowParallelLinear", input_, self.input_size, "input_size")
             input_parallel = scatter_to_tensor_model_parallel_region(input_)
-        output_parallel = F.linear(input_parallel, local_tensor(self.weight))
+        if self.fp8_state is not None:
+            output_parallel = fp8_linear(input_parallel, local_tensor(self.weight), self.fp8_state)
+        else:
+            output_parallel = F.linear(input_parallel, local_tensor(self.weight))
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:
@@ -209,9 +232,14 @@ class RowParallelLinear(nn.Module):
             output = output + bias
         return output, None
 
+    def enable_fp8(self, recipe) -> None:
+        """Run the GEMMs of this layer in fp8 (megatron_fsdp.fp8; an fp8.Fp8Recipe)."""
+        _enable_fp8(self, recipe, self.output_size, self.input_size_per_partition)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+                + (f", fp8={self.fp8_state.recipe.format}" if self.fp8_state is not None else ""))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch.nn.functional as F
 
+from ..fp8.recipe import check_fp8_config
 from ..model_parallel_config import ModelParallelConfig
 from ..utils import reject_unsupported
 from .utils import init_method_normal, scaled_init_method_normal
@@ -97,6 +98,9 @@ class TransformerConfig(ModelParallelConfig):
     memory_efficient_layer_norm: bool = False
     bias_dropout_fusion: bool = False
     apply_rope_fusion: bool = False
+    # Megatron's: the sequence-parallel split is a view of the whole embedding
+    # output; a copy lets the whole one be freed (and FSDP2 warns about views).
+    clone_scatter_output_in_embedding: bool = True
 
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -104,7 +108,25 @@ class TransformerConfig(ModelParallelConfig):
     recompute_modules: Optional[list[str]] = None
     distribute_saved_activations: Optional[bool] = None
 
+    # fp8 (megatron_fsdp.fp8): Megatron-Core's fields and defaults. Unlike
+    # Megatron-Core, first_last_layers_bf16 also works with the delayed recipe.
     fp8: Optional[str] = None
+    fp8_recipe: Optional[str] = "delayed"
+    fp8_param: bool = False
+    fp8_quantizer_factory: Optional[str] = None
+    fp8_margin: int = 0
+    fp8_interval: int = 1
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    fp8_output_proj: bool = False
+    fp8_dot_product_attention: bool = False
+    fp8_multi_head_attention: bool = False
+    tp_only_amax_red: bool = False
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    activation_func_fp8_input_store: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -161,8 +183,8 @@ class TransformerConfig(ModelParallelConfig):
             ("apply_query_key_layer_scaling", False),
             ("attention_softmax_in_fp32", True),
             ("calculate_per_token_loss", False),
-            ("fp8", None),
         )})
+        check_fp8_config(self)
         self._check_bias_activation_fusion()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)

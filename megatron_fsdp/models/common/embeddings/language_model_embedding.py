@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .... import parallel_state
+from ....distributed.fsdp_units import default_fsdp_unit
 from ....tensor_parallel import random as tp_random
 from ....tensor_parallel.layers import VocabParallelEmbedding
 from ....tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -26,6 +27,7 @@ def _replicated_embedding(num: int, dim: int, config) -> nn.Embedding:
     return embedding
 
 
+@default_fsdp_unit
 class LanguageModelEmbedding(nn.Module):
     def __init__(self, config, vocab_size: int, max_sequence_length: int,
                  position_embedding_type: str = "learned_absolute", num_tokentypes: int = 0,
@@ -85,6 +87,8 @@ class LanguageModelEmbedding(nn.Module):
         if self.config.sequence_parallel:
             if not self.reduce_scatter_embeddings and self.scatter_to_sequence_parallel:
                 embeddings = scatter_to_sequence_parallel_region(embeddings)
+                if self.config.clone_scatter_output_in_embedding:
+                    embeddings = embeddings.clone()
             rng = tp_random.get_cuda_rng_tracker().fork()
         with rng:
             return self.embedding_dropout(embeddings)

@@ -1,0 +1,198 @@
+"""fp8 training against bf16 in one run: step time, tokens/s, MFU, all-gather bytes.
+
+    # CPU, gloo, TP2 x DP2:
+    torchrun --nproc-per-node 4 benchmarks/bench_gpt_fp8.py --tp 2
+    # one GPU, a GPT with hidden 4096 (scripts/gpu_check.sh runs it so, without torchrun):
+    python benchmarks/bench_gpt_fp8.py --preset gpu
+
+Three arms wrap the same GPT (same seed) with TorchFullyShardedDataParallel
+under bf16 mixed precision:
+  bf16            the baseline: bf16 GEMMs, bf16 weight all-gather
+  fp8             fp8 GEMMs (tensorwise scaling, e4m3), bf16 all-gather
+  fp8 + fp8 gather  fp8 GEMMs and fp8 weight all-gather (fp8_param_gather)
+A step is forward, backward and AdamW (with fp8 weights the optimizer
+refreshes their scales). Steps alternate between arms in rounds
+(benchmarks/_common.py). All-gather bytes (all parameters, fp8
+and not) are counted by wrapping the collective over one step. MFU is the model's FLOPs (Megatron-LM's
+formula, megatron_fsdp.training.flops) per second over the bf16 dense-matmul
+rate measured on this device in the same run. Rank 0 prints a table and one
+JSON line per arm (with a "case" key, as scripts/gpu_check.sh reads them).
+Started without torchrun, it runs as a single process; with no arguments on
+a CUDA machine it uses `--preset gpu`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from _common import add_gpt_arguments, build_gpt, device_name, gpt_benchmark_job, time_arms_in_rounds
+from megatron_fsdp import parallel_state
+from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_fsdp.training.flops import num_floating_point_operations
+
+ARMS = {  # name: (TransformerConfig fields, fp8_param_gather)
+    "bf16": (dict(), False),
+    "fp8": (dict(fp8="e4m3", fp8_recipe="tensorwise"), False),
+    "fp8 + fp8 gather": (dict(fp8="e4m3", fp8_recipe="tensorwise"), True),
+}
+
+
+def dense_bf16_tflops(device: torch.device, n: int) -> float:
+    """The bf16 matmul rate this device reaches on n x n operands."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    reps = 20 if device.type == "cuda" else 3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
+
+
+class CountAllGatherBytes:
+    """Bytes every all-gather on this rank receives, while on. FSDP2 calls
+    `dist.all_gather_single` (torch >= 2.13) or `all_gather_into_tensor`."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.on = False
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            if hasattr(dist, name):
+                setattr(dist, name, self._counting(getattr(dist, name)))
+
+    def _counting(self, original):
+        def collective(output, input, *args, **kwargs):
+            if self.on:
+                self.bytes += output.numel() * output.element_size()
+            return original(output, input, *args, **kwargs)
+        return collective
+
+
+# hidden 4096: about 1.1B parameters; three arms with fp32 masters and Adam
+# state take about 52 GB, within one 80 GB GPU.
+GPU_PRESET = dict(layers=4, hidden=4096, heads=32, seq=2048, micro_batch=2, vocab=32768, rounds=3)
+
+
+def _single_process_defaults() -> None:
+    """Let `python bench_gpt_fp8.py` run as a world of one, as torchrun would start it."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    add_gpt_arguments(p, steps_per_round=2)
+    p.add_argument("--ffn-hidden", type=int, default=None, help="default 4 x hidden")
+    p.add_argument("--matmul-size", type=int, default=None, help="operand size of the peak-rate probe")
+    p.add_argument("--preset", choices=["gpu"], default=None, help=f"gpu: {GPU_PRESET}")
+    argv = sys.argv[1:]
+    if not argv and torch.cuda.is_available():
+        argv = ["--preset", "gpu"]
+    args = p.parse_args(argv)
+    if args.preset == "gpu":
+        p.set_defaults(**GPU_PRESET)
+        args = p.parse_args(argv)
+    _single_process_defaults()
+
+    with gpt_benchmark_job(args) as base_config:
+        import dataclasses
+
+        device = parallel_state.get_device()
+        counter = CountAllGatherBytes()
+        arms = {}
+        for name, (fields, fp8_gather) in ARMS.items():
+            config = dataclasses.replace(base_config, bf16=True, ffn_hidden_size=args.ffn_hidden or 4 * args.hidden,
+                                         **fields)
+            ddp_config = TorchFullyShardedDataParallelConfig(fp8_param_gather=fp8_gather)
+            model = TorchFullyShardedDataParallel(config, ddp_config, build_gpt(args, config))
+            optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True), model)
+            arms[name] = (model, optimizer)
+        config = arms["bf16"][0].config
+
+        g = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
+        ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
+        positions = torch.arange(args.seq, device=device).expand(args.micro_batch, -1)
+        losses = {}
+
+        def step(name):
+            model, optimizer = arms[name]
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = model(ids, positions, None, labels=ids).float().mean()
+            loss.backward()
+            model.finish_grad_sync()
+            optimizer.step()
+            losses[name] = loss.item()
+
+        gathered = {}
+        for name in arms:  # one counted step per arm (also the warm-up of optimizer state)
+            counter.bytes, counter.on = 0, True
+            step(name)
+            counter.on = False
+            gathered[name] = counter.bytes
+        step_ms = time_arms_in_rounds(step, arms, args.rounds, args.steps_per_round)
+
+        dp = parallel_state.get_data_parallel_world_size()
+        world = dist.get_world_size()
+        flops_args = SimpleNamespace(
+            num_attention_heads=args.heads, group_query_attention=False, num_query_groups=None,
+            kv_channels=None, hidden_size=args.hidden, ffn_hidden_size=config.ffn_hidden_size,
+            num_layers=args.layers, seq_length=args.seq, swiglu=False, padded_vocab_size=args.vocab)
+        flops_per_step = num_floating_point_operations(flops_args, args.micro_batch * dp)
+        peak = dense_bf16_tflops(device, args.matmul_size or (8192 if device.type == "cuda" else 1024))
+        tokens_per_step = args.micro_batch * args.seq * dp
+        result = {"world_size": world, "tp": args.tp, "dp": dp, "device": device_name(),
+                  "layers": args.layers, "hidden": args.hidden, "seq": args.seq, "micro_batch": args.micro_batch,
+                  "dense_bf16_tflops_per_rank": peak, "arms": {}}
+        for name in arms:
+            seconds = step_ms[name] / 1000
+            tflops = flops_per_step / seconds / 1e12 / world
+            result["arms"][name] = {
+                "step_ms": step_ms[name], "tokens_per_s_per_rank": tokens_per_step / seconds / world,
+                "tflops_per_rank": tflops, "mfu_vs_measured_bf16": tflops / peak,
+                "speedup_vs_bf16": step_ms["bf16"] / step_ms[name],
+                "all_gather_bytes_per_rank_per_step": gathered[name],
+                "all_gather_ratio_vs_bf16": gathered[name] / max(gathered["bf16"], 1),
+                "last_loss": losses[name],
+            }
+        if dist.get_rank() == 0:
+            print(f"TP{args.tp} x DP{dp}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+                  f"micro batch {args.micro_batch}, {result['device']}; measured bf16 matmul "
+                  f"{peak:.2f} TFLOP/s per rank")
+            print(f"{'arm':<18} {'step ms':>9} {'x bf16':>7} {'tok/s/rank':>11} {'TFLOP/s':>8} {'MFU':>6} "
+                  f"{'AG MiB/step':>12} {'AG x bf16':>10}")
+            for name, r in result["arms"].items():
+                print(f"{name:<18} {r['step_ms']:>9.1f} {r['speedup_vs_bf16']:>7.2f} "
+                      f"{r['tokens_per_s_per_rank']:>11.0f} {r['tflops_per_rank']:>8.2f} "
+                      f"{r['mfu_vs_measured_bf16']:>6.1%} {r['all_gather_bytes_per_rank_per_step'] / 2**20:>12.2f} "
+                      f"{r['all_gather_ratio_vs_bf16']:>10.3f}")
+            common = {k: v for k, v in result.items() if k != "arms"}
+            for name, r in result["arms"].items():
+                print(json.dumps({"case": f"gpt {name}", "ours_ms": round(r["step_ms"], 3),
+                                  "bf16_ms": round(step_ms["bf16"], 3), "speedup": round(r["speedup_vs_bf16"], 3),
+                                  **{k: v for k, v in r.items() if k not in ("step_ms", "speedup_vs_bf16")},
+                                  **common}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

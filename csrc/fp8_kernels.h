@@ -1,0 +1,50 @@
+// Kernels for fp8 training: the amax of many tensors at once (weight scales)
+// and the scaled, saturating cast to fp8 bytes (the all-gather input).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "fp8_plan.h"
+
+namespace megatron_fsdp {
+
+// Checks (all tensors on one device, each float32/bfloat16/float16/float64)
+// and returns the device; throws naming the offending index before any work.
+void check_amax_args(at::TensorList tensors);
+
+// max(|t|) of each tensor as a float32 [n] tensor on the tensors' device:
+// 0 for an empty tensor, NaN for one holding a NaN.
+at::Tensor multi_tensor_amax_cpu(at::TensorList tensors);
+at::Tensor multi_tensor_amax_meta(at::TensorList tensors);
+
+// The device kernel's work list: the tensors grouped by dtype (one launch
+// each), their tiles numbered consecutively.
+struct AmaxGroup {
+  at::ScalarType dtype;
+  std::vector<AmaxSegment> segments;
+  std::vector<int64_t> first_tile;  // per segment, plus the total at the end
+};
+struct AmaxPlan {
+  std::vector<AmaxGroup> groups;
+  std::vector<at::Tensor> contiguous;  // copies of non-contiguous inputs, alive until the kernels ran
+};
+AmaxPlan plan_multi_tensor_amax(at::TensorList tensors);
+
+// The device kernel's plan run on the host, block by block.
+at::Tensor multi_tensor_amax_emulated(at::TensorList tensors);
+
+// out (uint8, src's numel) = fp8 bits of clamp(float(src) * scale, -max, max),
+// max the largest finite value of `dtype` (float8_e4m3fn or float8_e5m2);
+// scale a one-element float32 tensor on src's device.
+void check_cast_to_fp8_args(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype,
+                            const at::Tensor& out);
+void cast_to_fp8_cpu(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype, const at::Tensor& out);
+
+#ifdef MEGATRON_FSDP_WITH_CUDA
+at::Tensor multi_tensor_amax_cuda(at::TensorList tensors);
+void cast_to_fp8_cuda(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype, const at::Tensor& out);
+#endif
+
+}  // namespace megatron_fsdp

@@ -1,0 +1,293 @@
+"""How TorchFullyShardedDataParallel parallelizes a model, step by step.
+
+    plan = plan_fsdp(config, ddp_config, module, ...)  # every check, on every rank;
+                                                       # nothing changes, nothing communicates
+    apply_fsdp_plan(module, plan):
+        cast_master_weights_to_fp32   mixed precision keeps fp32 shards, gathers bf16/fp16
+        convert_fp8_weights           fp8_param_gather: linear weights gather as fp8
+        shard_units                   fully_shard each unit bottom-up, then the root
+        materialize_meta_parameters   a meta-device model gets its shards and initial values
+        compute_fp8_scales            the fp8 weights' first scales (collective)
+        install_fsdp_copy_kernels_by_default   the process-level copy-kernel switch
+        restore_tp_attributes         Megatron's per-parameter TP attributes
+
+Tensor-parallel weights are DTensors on the "tp" dimension of the same root
+mesh as the data-parallel mesh, so `fully_shard` turns them into 2D (DP, TP)
+parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .. import parallel_state
+from .._process_groups import backend_device_type
+from ..fp8 import check_fp8_param_gather, convert_to_fp8_weights, refresh_fp8_scales
+from ..initialization import initialize_parameters
+from ..kernels.fsdp_copy_ops import install_fsdp_copy_kernels_by_default
+from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
+from .distributed_data_parallel_config import DistributedDataParallelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPPlan:
+    """What apply_fsdp_plan does to the model, decided before it starts."""
+
+    mesh: DeviceMesh  # 1D data-parallel, or 2D (replicate, shard) for HSDP
+    process_group: dist.ProcessGroup  # all data-parallel ranks (with context parallelism)
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int
+    wrap_classes: frozenset  # sub_modules_to_wrap plus every `_fsdp_modules` entry
+    units: tuple  # the unit modules in forward order; the root is the last unit, not listed
+    fp8_param_gather: bool
+    force_sum_reduction: bool  # gloo: reduce with SUM, then divide
+    explicit_backward_prefetch: bool  # activation recomputation confuses the implicit order
+    materialize_on: Optional[torch.device]  # the model is on the meta device: materialize here
+
+
+def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterable[type],
+              disable_bucketing: bool, process_group: Optional[dist.ProcessGroup]) -> FSDPPlan:
+    """Validate every argument and decide the plan. Changes nothing and
+    communicates nothing, so bad input raises on every rank alike."""
+    if not isinstance(ddp_config, DistributedDataParallelConfig):
+        raise TypeError(f"ddp_config must be a DistributedDataParallelConfig, got {type(ddp_config).__name__}")
+    if isinstance(module, FSDPModule):
+        raise ValueError("module is already sharded with fully_shard")
+    reshard_after_forward = getattr(ddp_config, "reshard_after_forward", True)
+    wrap_classes = _wrap_classes(module, sub_modules_to_wrap)
+    mesh = _data_parallel_mesh(ddp_config, module, process_group)
+    _check_reshard_size(module, mesh, reshard_after_forward)
+    check_fp8_param_gather(config, ddp_config, reshard_after_forward)
+    units = () if disable_bucketing else _units(module, wrap_classes)
+    if process_group is None:
+        process_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    on_meta = any(p.device.type == "meta" for p in module.parameters())
+    return FSDPPlan(
+        mesh=mesh,
+        process_group=process_group,
+        mp_policy=_mixed_precision_policy(config, ddp_config),
+        reshard_after_forward=reshard_after_forward,
+        wrap_classes=wrap_classes,
+        units=tuple(units),
+        fp8_param_gather=ddp_config.fp8_param_gather,
+        force_sum_reduction=dist.get_backend(process_group) == "gloo",
+        explicit_backward_prefetch=getattr(config, "recompute_granularity", None) is not None,
+        materialize_on=_materialization_device(mesh) if on_meta else None,
+    )
+
+
+def apply_fsdp_plan(module: nn.Module, plan: FSDPPlan) -> None:
+    """The changes, in order; `module` ends up an FSDPModule."""
+    tp_attributes = snapshot_tp_attributes(module)
+    cast_master_weights_to_fp32(module, plan)
+    convert_fp8_weights(module, plan)
+    shard_units(module, plan)
+    materialize_meta_parameters(module, plan)
+    compute_fp8_scales(module, plan)
+    install_fsdp_copy_kernels_by_default()
+    restore_tp_attributes(module, tp_attributes)
+
+
+# ---------------------------------------------------------------- the steps
+
+
+def snapshot_tp_attributes(module: nn.Module) -> dict[str, SimpleNamespace]:
+    """fully_shard, fp8 conversion and to_empty make new Parameter objects,
+    and float() swaps a DTensor parameter's contents, attributes included:
+    Megatron's per-parameter attributes (tensor_model_parallel, ...) are kept
+    aside by parameter name."""
+    saved = {}
+    for name, param in module.named_parameters():
+        saved[name] = SimpleNamespace()
+        copy_tensor_model_parallel_attributes(saved[name], param)
+    return saved
+
+
+def cast_master_weights_to_fp32(module: nn.Module, plan: FSDPPlan) -> None:
+    """Under bf16/fp16 the sharded master weights are fp32; FSDP gathers them
+    in the policy's param_dtype."""
+    if plan.mp_policy.param_dtype is not None:
+        module.float()
+
+
+def convert_fp8_weights(module: nn.Module, plan: FSDPPlan) -> None:
+    """Before fully_shard, so that FSDP2 shards the fp8 weight subclass and
+    calls its all-gather hooks."""
+    if plan.fp8_param_gather:
+        convert_to_fp8_weights(module)
+
+
+def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
+    """fully_shard each unit, descendants before ancestors, then the root."""
+    for unit in reversed(plan.units):
+        fully_shard(unit, mesh=plan.mesh, reshard_after_forward=plan.reshard_after_forward,
+                    mp_policy=plan.mp_policy)
+    # The root's parameters are needed again as soon as backward starts.
+    root_reshard = False if plan.reshard_after_forward is True else plan.reshard_after_forward
+    fully_shard(module, mesh=plan.mesh, reshard_after_forward=root_reshard, mp_policy=plan.mp_policy)
+    if plan.force_sum_reduction:
+        # gloo rejects ReduceOp.PREMUL_SUM, which FSDP2 reduces with once a
+        # gradient divide factor other than the group size is set
+        # (set_gradient_divide_factor); forcing SUM makes it divide after the
+        # reduction instead. The setting belongs to each fully_shard call's
+        # parameter group, so every unit needs it, not the root alone.
+        for fsdp_module in module.modules():
+            if isinstance(fsdp_module, FSDPModule):
+                fsdp_module.set_force_sum_reduction_for_comms(True)
+    if plan.explicit_backward_prefetch:
+        # Recomputation re-runs forwards inside backward and confuses FSDP's
+        # implicit prefetch order; prefetch the previous unit explicitly.
+        for previous, unit in zip(plan.units, plan.units[1:]):
+            unit.set_modules_to_backward_prefetch([previous])
+
+
+def materialize_meta_parameters(module: nn.Module, plan: FSDPPlan) -> None:
+    """Allocate only this rank's shards, then draw the values a normal build
+    would (from the current generator state: seeded as before a normal build,
+    the model holds exactly the normally built weights)."""
+    if plan.materialize_on is None:
+        return
+    module.to_empty(device=plan.materialize_on)
+    initialize_parameters(module)
+
+
+def compute_fp8_scales(module: nn.Module, plan: FSDPPlan) -> None:
+    """The first all-gather needs each fp8 weight's scale, computed from its
+    values: only now are they final. Later the optimizer refreshes them."""
+    if plan.fp8_param_gather:
+        refresh_fp8_scales(module)
+
+
+def restore_tp_attributes(module: nn.Module, saved: dict[str, SimpleNamespace]) -> None:
+    for name, param in module.named_parameters():
+        copy_tensor_model_parallel_attributes(param, saved[name])
+
+
+# ---------------------------------------------------------------- planning helpers
+
+
+def _wrap_classes(module: nn.Module, sub_modules_to_wrap: Iterable[type]) -> frozenset:
+    classes = set(sub_modules_to_wrap)
+    for sub in module.modules():
+        classes.update(getattr(sub, "_fsdp_modules", ()))
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"sub_modules_to_wrap must hold nn.Module subclasses, got {cls!r}")
+    return frozenset(classes)
+
+
+def _data_parallel_mesh(ddp_config, module: nn.Module, process_group: Optional[dist.ProcessGroup]) -> DeviceMesh:
+    instances = ddp_config.num_distributed_optimizer_instances
+    if process_group is not None:
+        if instances > 1:
+            raise ValueError("process_group cannot be combined with num_distributed_optimizer_instances > 1")
+        if parallel_state.model_parallel_is_initialized():
+            for with_cp in (True, False):
+                if process_group is parallel_state.get_data_parallel_group(with_context_parallel=with_cp):
+                    return parallel_state.get_data_parallel_mesh(with_context_parallel=with_cp)
+        if any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in module.parameters()):
+            raise ValueError(
+                "a process_group other than parallel_state's data-parallel group cannot be combined "
+                "with tensor parallelism: the FSDP mesh must share its root with the TP mesh"
+            )
+        return DeviceMesh.from_group(process_group, backend_device_type(dist.get_backend(process_group)))
+    if instances != parallel_state.get_num_distributed_optimizer_instances():
+        raise ValueError(
+            f"ddp_config.num_distributed_optimizer_instances ({instances}) differs from "
+            f"parallel_state's ({parallel_state.get_num_distributed_optimizer_instances()}); pass the "
+            "same value to initialize_model_parallel"
+        )
+    if instances > 1:
+        return parallel_state.get_hybrid_data_parallel_mesh()
+    return parallel_state.get_data_parallel_mesh(with_context_parallel=True)
+
+
+def _check_reshard_size(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | int) -> None:
+    r = reshard_after_forward
+    if isinstance(r, bool):
+        return
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        raise NotImplementedError(
+            f"reshard_after_forward={r}: torch FSDP2 cannot reshard tensor-parallel (DTensor) "
+            "parameters to a smaller mesh; use True or False with tensor parallelism"
+        )
+    shard_size = mesh.size(mesh.ndim - 1)
+    if shard_size % r != 0 or r >= shard_size:
+        raise ValueError(
+            f"reshard_after_forward={r} must be a divisor of the data-parallel shard size "
+            f"({shard_size}) smaller than it"
+        )
+
+
+def _mixed_precision_policy(config, ddp_config) -> MixedPrecisionPolicy:
+    if getattr(config, "bf16", False):
+        param_dtype = torch.bfloat16
+    elif getattr(config, "fp16", False):
+        param_dtype = torch.float16
+    else:
+        param_dtype = None
+    reduce_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param_dtype
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def _materialization_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _units(root: nn.Module, wrap_classes: frozenset) -> list[nn.Module]:
+    """The outermost instances of the wrap classes, in forward (module) order.
+
+    An instance nested inside another one joins the outer unit: a unit's
+    parameters are freed when its forward returns, so the bias a Megatron
+    linear returns with skip_bias_add (a view of its parameter) must not
+    outlive its unit.
+    """
+    kept_in_root = _modules_owning_shared_params(root)
+    wrap = tuple(wrap_classes)
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, wrap) and child not in kept_in_root:
+                if getattr(child, "skip_bias_add", False) and getattr(child, "bias", None) is not None:
+                    raise ValueError(
+                        f"{type(child).__name__} returns its bias (skip_bias_add=True), so it cannot be "
+                        "an FSDP unit of its own: wrap the module that consumes the bias instead"
+                    )
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(root)
+    return units
+
+
+def _modules_owning_shared_params(root: nn.Module) -> set[nn.Module]:
+    """Modules (and their ancestors) owning a parameter that another part of
+    the model uses in forward, such as a tied embedding weight: it stays in
+    the root unit, which is gathered for the whole forward and backward."""
+    shared = getattr(root, "shared_embedding_or_output_weight", None)
+    if shared is None or not getattr(root, "share_embeddings_and_output_weights", False):
+        return set()
+    weight = shared()
+    owners: set[nn.Module] = set()
+
+    def visit(m: nn.Module, path: list[nn.Module]) -> None:
+        if any(p is weight for p in m.parameters(recurse=False)):
+            owners.update(path + [m])
+        for child in m.children():
+            visit(child, path + [m])
+
+    visit(root, [])
+    return owners

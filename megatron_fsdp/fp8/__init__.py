@@ -1,0 +1,60 @@
+"""fp8 training: fp8 GEMMs in the parallel linears and fp8 weight all-gather through FSDP2.
+
+What runs in fp8 (TransformerConfig, Megatron-Core's fields):
+  `fp8="e4m3"|"hybrid"` turns on fp8 GEMMs (forward, input gradient and,
+  with `fp8_wgrad`, weight gradient) in every ColumnParallelLinear and
+  RowParallelLinear of the transformer layers (QKV, attention output, MLP
+  fc1/fc2), except the first/last `num_layers_at_{start,end}_in_bf16` layers
+  under `first_last_layers_bf16`. Norms, embeddings, the output layer,
+  softmax and the loss stay in high precision. `fp8_recipe`, `fp8_margin`,
+  `fp8_amax_history_len`, `fp8_amax_compute_algo`: see recipe.py.
+  TransformerLayer applies this with `configure_fp8_layer`.
+
+fp8 weight all-gather (`DistributedDataParallelConfig(fp8_param_gather=True)`),
+the interface the FSDP wrapper uses, in order:
+  1. `check_fp8_param_gather(config, ddp_config, reshard_after_forward)`:
+     raises for combinations that cannot work (no fp8 in the config, an
+     integer reshard_after_forward, fp8_param without fp8_param_gather).
+     Configuration only, no communication.
+  2. `convert_to_fp8_weights(module) -> int`: before fully_shard, replaces
+     the weight of every linear that runs fp8 by an `Fp8TrainingWeight`
+     (FSDP2's all-gather extension; DTensor layout and Megatron's TP
+     attributes kept); returns the number converted. Meta-device weights
+     are fine: they are converted on meta.
+  3. `refresh_fp8_scales(module)`: once the weights hold their values (after
+     materialization + initialization of a meta-built model, or after
+     fully_shard of an eager one) and before the first forward. Collective.
+  Afterwards `MegatronOptimizer.step()` calls `refresh_fp8_scales` after
+  every step; a loop with another optimizer calls it itself.
+
+Checkpoints: master weights are saved as plain tensors; the delayed-scaling
+histories come from `fp8_state_dict(model)` (the same on every rank) and go
+back with `load_fp8_state_dict(model, state_or_None)`, which every rank calls
+after loading weights: it also recomputes the weight scales (collective).
+"""
+
+from .convert import check_fp8_param_gather, configure_fp8_layer, convert_to_fp8_weights
+from .linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
+from .recipe import Fp8Recipe, check_fp8_config, is_first_last_bf16_layer, layer_runs_fp8
+from .refresh import fp8_state_dict, has_fp8_linears, load_fp8_state_dict, refresh_fp8_scales
+from .weight import Fp8GatheredWeight, Fp8TrainingWeight, is_fp8_training_weight
+
+__all__ = [
+    "Fp8GatheredWeight",
+    "Fp8LinearState",
+    "Fp8Recipe",
+    "Fp8TrainingWeight",
+    "check_fp8_config",
+    "check_fp8_param_gather",
+    "check_fp8_weight_shape",
+    "configure_fp8_layer",
+    "convert_to_fp8_weights",
+    "fp8_linear",
+    "fp8_state_dict",
+    "has_fp8_linears",
+    "is_first_last_bf16_layer",
+    "is_fp8_training_weight",
+    "layer_runs_fp8",
+    "load_fp8_state_dict",
+    "refresh_fp8_scales",
+]

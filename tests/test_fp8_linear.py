@@ -1,0 +1,231 @@
+"""fp8 GEMMs: the fp8 linear against a float64 reference and an independent
+emulation of fp8 rounding, the scaling rules, and fp8 in the parallel layers
+and the GPT model at TP=1, TP=2 and TP=2 with sequence parallelism."""
+
+import pytest
+import torch
+
+from helpers import full_grads, make_config, setup_parallel
+from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear, refresh_fp8_scales
+from megatron_fsdp.fp8.scaling import cast_to_fp8, scale_from_amax
+from megatron_fsdp.models.gpt import GPTModel
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+# Relative error (Frobenius) of one GEMM with both operands rounded to fp8:
+# e4m3 keeps 3 mantissa bits (half-ulp 2**-4), e5m2 keeps 2 (2**-3); random
+# rounding errors add up to about 0.04 and 0.06 here. The bounds leave room
+# and are far below what a wrong scale or format gives (>= 0.3).
+TOLERANCE = {"forward": 0.06, "e4m3": 0.06, "hybrid": 0.09}
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(actual, expected):
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def _emulated(t: torch.Tensor, dtype, amax=None) -> torch.Tensor:
+    """t rounded to fp8 with per-tensor scaling, computed here independently:
+    scale = max / amax in float64, then float32; clamp; round; divide."""
+    amax = float(t.detach().abs().max()) if amax is None else amax
+    scale = torch.tensor(MAX[dtype] / amax, dtype=torch.float64).float()
+    q = (t.detach().float() * scale).clamp(-MAX[dtype], MAX[dtype]).to(dtype)
+    return q.double() / scale.double()
+
+
+def _run(recipe: Fp8Recipe, x, w, g):
+    state = Fp8LinearState(recipe)
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = fp8_linear(x, w, state)
+    y.backward(g)
+    return y, x.grad, w.grad, state
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("wgrad", [True, False])
+def test_fp8_linear_matches_reference_and_fp8_emulation(fmt, recipe, wgrad):
+    # 3-D input with 15 tokens: the weight-gradient GEMM pads the tokens to 16.
+    x = torch.randn(3, 5, 64, generator=_gen(0))
+    w = torch.randn(48, 64, generator=_gen(1)) * 0.05
+    g = torch.randn(3, 5, 48, generator=_gen(2))
+    y, dx, dw, _ = _run(Fp8Recipe(format=fmt, recipe=recipe, wgrad=wgrad), x, w, g)
+    assert y.shape == (3, 5, 48) and y.dtype == torch.float32 and not y._is_view()
+    xd, wd, gd = x.double(), w.double(), g.double().reshape(-1, 48)
+
+    # Against the float64 result, within fp8 precision.
+    assert _rel(y, xd @ wd.t()) < TOLERANCE["forward"]
+    assert _rel(dx, gd.reshape(3, 5, 48) @ wd) < TOLERANCE[fmt]
+    dw_ref = gd.t() @ xd.reshape(-1, 64)
+    if wgrad:
+        assert _rel(dw, dw_ref) < TOLERANCE[fmt]
+    else:  # high-precision weight gradient
+        torch.testing.assert_close(dw.double(), dw_ref, rtol=1e-5, atol=1e-6)
+
+    # Exactly fp8 arithmetic: equal to the emulated rounding up to fp32 summation.
+    grad_dtype = E5M2 if fmt == "hybrid" else E4M3
+    qx, qw, qg = _emulated(x, E4M3), _emulated(w, E4M3), _emulated(g, grad_dtype).reshape(-1, 48)
+    torch.testing.assert_close(y.double(), qx @ qw.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), (qg @ qw).reshape(3, 5, 64), rtol=1e-5, atol=1e-5)
+    if wgrad:
+        torch.testing.assert_close(dw.double(), qg.t() @ qx.reshape(-1, 64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("algo,history_len", [("most_recent", 1), ("max", 3)])
+def test_delayed_scaling_uses_the_previous_steps_amax(algo, history_len):
+    recipe = Fp8Recipe(format="hybrid", recipe="delayed", amax_history_len=history_len, amax_compute_algo=algo,
+                       margin=1)
+    state = Fp8LinearState(recipe)
+    w = torch.randn(32, 32, generator=_gen(1))
+    amaxes = []
+    for step, magnitude in enumerate([4.0, 1.0, 2.0]):
+        x = torch.randn(16, 32, generator=_gen(10 + step)) * magnitude
+        y = fp8_linear(x, w, state)
+        if step == 0:  # no history yet: current scaling
+            expected_amax = float(x.abs().max())
+        else:
+            history = amaxes[-history_len:]
+            expected_amax = amaxes[-1] if algo == "most_recent" else max(history)
+        # margin=1 halves every scale: tensors are rounded with max / amax / 2.
+        qx = _emulated(x, E4M3, amax=expected_amax * 2)
+        torch.testing.assert_close(y.double(), qx @ _emulated(w, E4M3, amax=float(w.abs().max()) * 2).t(),
+                                   rtol=1e-5, atol=1e-5)
+        amaxes.append(float(x.abs().max()))
+        refresh_fp8_scales([_Holder(state)])
+        assert float(state.input.amax_history[0]) == amaxes[-1]
+    # A forward without autograd (evaluation) leaves the history alone.
+    scale = state.input.scale.clone()
+    with torch.no_grad():
+        fp8_linear(torch.full((16, 32), 1e4), w, state)
+    refresh_fp8_scales([_Holder(state)])
+    assert float(state.input.amax_history[0]) == 0.0 and float(state.input.amax_history.max()) < 1e4
+    if algo == "most_recent":
+        assert torch.equal(state.input.scale, scale)  # an amax of zero keeps the previous scale
+
+
+class _Holder(torch.nn.Module):
+    """A module holding an fp8 linear state, as a parallel linear does."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.fp8_state = state
+
+
+def test_e5m2_gradients_saturate_instead_of_overflowing():
+    state = Fp8LinearState(Fp8Recipe(format="hybrid", recipe="delayed"))
+    holder = _Holder(state)
+    x = torch.randn(16, 32, generator=_gen(0)).requires_grad_(True)
+    w = torch.randn(32, 32, generator=_gen(1)).requires_grad_(True)
+    fp8_linear(x, w, state).backward(torch.ones(16, 32) * 1e-3)
+    refresh_fp8_scales(holder)  # the output-gradient scale now expects an amax of 1e-3
+    x.grad = w.grad = None
+    fp8_linear(x, w, state).backward(torch.ones(16, 32) * 1e3)  # a million times larger
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+    # Every gradient element saturated at e5m2's largest value over the scale.
+    per_element = 57344.0 / float(state.grad_output.scale)
+    torch.testing.assert_close(x.grad, torch.ones(16, 32) @ _emulated(w, E4M3).float() * per_element,
+                               rtol=1e-5, atol=0)
+    # The cast alone: without the clamp float32 -> e5m2 gives inf.
+    big = torch.tensor([1e6, -1e6, float("inf")])
+    assert torch.isinf(big.to(E5M2).float()).all()
+    assert cast_to_fp8(big, torch.tensor(1.0), E5M2).float().tolist() == [57344.0, -57344.0, 57344.0]
+    assert cast_to_fp8(big, torch.tensor(1.0), E4M3).float().tolist() == [448.0, -448.0, 448.0]
+
+
+def test_scale_from_amax_rules():
+    amax = torch.tensor([3.0, 0.0, float("inf"), float("nan"), 1e-45])
+    previous = torch.tensor([1.0, 5.0, 6.0, 7.0, 1.0])
+    s = scale_from_amax(amax, E4M3, margin=2, previous=previous)
+    assert s.dtype == torch.float32
+    assert float(s[0]) == float(torch.tensor(448.0 / 3.0 / 4.0, dtype=torch.float64).float())
+    assert s[1:4].tolist() == [5.0, 6.0, 7.0]  # zero / non-finite amax: keep the previous scale
+    assert float(s[4]) == torch.finfo(torch.float32).max  # no inf for a denormal amax
+    assert float(scale_from_amax(torch.tensor(0.0), E5M2)) == 1.0
+
+
+# ---------------------------------------------------------------- layers and models
+
+def _gpt_config(tp, fp8, sp=False, **overrides):
+    fields = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, fp8=fp8, sequence_parallel=sp,
+                  tensor_model_parallel_size=tp)
+    return make_config(**{**fields, **overrides})
+
+
+def _case_gpt_step(tp, sp, fp8, recipe="tensorwise"):
+    """Loss and full gradients of one GPT forward/backward; counts fp8 GEMMs."""
+    setup_parallel(tp)
+    cfg = _gpt_config(tp, fp8, sp, fp8_recipe=recipe)
+    model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    calls = []
+    original = torch._scaled_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return original(*args, **kwargs)
+
+    ids = torch.randint(0, 64, (2, 16), generator=_gen(5))
+    labels = torch.randint(0, 64, (2, 16), generator=_gen(6))
+    torch._scaled_mm = counting
+    try:
+        loss = model(ids, torch.arange(16).expand(2, 16), None, labels=labels).mean()
+        loss.backward()
+    finally:
+        torch._scaled_mm = original
+    fp8_layers = [name for name, m in model.named_modules() if getattr(m, "fp8_state", None) is not None]
+    return loss.item(), full_grads(model), len(calls), fp8_layers
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_gpt_fp8_at_tp2_and_sequence_parallel_matches_tp1(pools, recipe):
+    pool = pools(2)
+    exact_loss, exact_grads, no_calls, no_layers = pool.run(_case_gpt_step, 1, False, None)[0]
+    assert no_calls == 0 and no_layers == []
+    results = {name: pool.run(_case_gpt_step, tp, sp, "hybrid", recipe)[0]
+               for name, tp, sp in (("tp1", 1, False), ("tp2", 2, False), ("tp2_sp", 2, True))}
+    for name, (loss, grads, calls, layers) in results.items():
+        # QKV, attention output, fc1, fc2 in both layers; 3 GEMMs each; the output layer stays high precision.
+        assert len(layers) == 8 and not any("output_layer" in n for n in layers), layers
+        assert calls == 24, f"{name}: {calls} fp8 GEMMs"
+        assert abs(loss - exact_loss) / exact_loss < 0.01, (name, loss, exact_loss)
+        assert loss != exact_loss, f"{name}: fp8 loss equals the fp32 loss"
+        for key, g in grads.items():
+            if "linear" in key and key.endswith("weight"):
+                assert _rel(g, exact_grads[key]) < 0.25, (name, key, _rel(g, exact_grads[key]))
+    tp1_loss, tp1_grads = results["tp1"][:2]
+    for name in ("tp2", "tp2_sp"):
+        loss, grads = results[name][:2]
+        assert abs(loss - tp1_loss) / tp1_loss < 0.005, (name, loss, tp1_loss)
+        for key in tp1_grads:
+            assert _rel(grads[key], tp1_grads[key]) < 0.15, (name, key, _rel(grads[key], tp1_grads[key]))
+
+
+def _case_first_last_layers_bf16():
+    setup_parallel(1)
+    cfg = _gpt_config(1, "e4m3", num_layers=4, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
+                      num_layers_at_end_in_bf16=2)
+    model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    return {i: [n for n, m in layer.named_modules() if getattr(m, "fp8_state", None) is not None]
+            for i, layer in enumerate(model.decoder.layers)}
+
+
+def test_first_last_layers_stay_in_high_precision(pools):
+    layers = pools(2).run(_case_first_last_layers_bf16)[0]
+    assert [bool(v) for v in layers.values()] == [False, True, False, False]
+    assert sorted(layers[1]) == ["mlp.linear_fc1", "mlp.linear_fc2", "self_attention.linear_proj",
+                                 "self_attention.linear_qkv"]
+
+
+def _case_fp8_shape_rule():
+    setup_parallel(2)
+    GPTModel(_gpt_config(2, "hybrid", ffn_hidden_size=80), vocab_size=64, max_sequence_length=16)
+
+
+def test_fp8_layers_need_gemm_dimensions_in_multiples_of_16(pools):
+    errors = pools(2).run_expecting_errors(_case_fp8_shape_rule)
+    for e in errors:
+        assert e.type_name == "ValueError"
+        assert "ColumnParallelLinear: an fp8 linear needs both dimensions of its local weight to be multiples " \
+               "of 16" in e.message and "[out, in] = [40, 64]" in e.message, e.message
