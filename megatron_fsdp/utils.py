@@ -33,3 +33,27 @@ def _differs(value: Any, allowed: Any) -> bool:
         return bool(value != allowed)
     except Exception:  # an object whose != is not a plain bool (a tensor, say)
         return True
+
+
+def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
+    """`attr` of `model`, looked up through wrappers (`.module` chains: the
+    data-parallel wrapper, Float16Module-style wrappers) as Megatron-Core does.
+
+    With `allow_none=False` an attribute whose value is None does not count
+    as found. `return_model_obj=True` returns the (sub)module that holds it.
+    """
+    if isinstance(model, list):
+        raise RuntimeError("get_attr_wrapped_model was given a list of model chunks; pass one chunk")
+    found = (lambda m: hasattr(m, attr)) if allow_none else (lambda m: getattr(m, attr, None) is not None)
+    holder = model
+    while not found(holder):
+        if not hasattr(holder, "module"):
+            raise RuntimeError(f"get_attr_wrapped_model: {type(model).__name__} and the modules it wraps "
+                               f"have no attribute {attr!r}")
+        holder = holder.module
+    return holder if return_model_obj else getattr(holder, attr)
+
+
+def get_model_config(model):
+    """The TransformerConfig (`.config`) of a model chunk, wrapped or not (Megatron-Core's helper)."""
+    return get_attr_wrapped_model(model, "config", allow_none=False)

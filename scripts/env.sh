@@ -45,7 +45,8 @@ stamp="$VENV/.megatron_fsdp_build"
 sources_hash="$(cat "$ROOT/setup.py" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
   echo "[env] building megatron_fsdp and its C++ extension" >&2
-  "$PY" -m pip install -q "pytest>=7" numpy safetensors
+  # tokenizers and tensorboard are optional at run time; the tests exercise both.
+  "$PY" -m pip install -q "pytest>=7" numpy safetensors tokenizers tensorboard
   (cd "$ROOT" && "$PY" -m pip install -q --no-build-isolation -e .)
   echo "$sources_hash" > "$stamp"
 fi

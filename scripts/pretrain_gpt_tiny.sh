@@ -14,4 +14,5 @@ exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" examples/pretrain_
   --micro-batch-size 4 --global-batch-size 16 \
   --lr 3e-3 --lr-warmup-iters 5 --lr-decay-style cosine --min-lr 3e-4 --train-iters 60 \
   --hidden-dropout 0.0 --attention-dropout 0.0 \
-  --mock-data --vocab-size 128 --log-interval 5 --seed 1234 "$@"
+  --mock-data --vocab-size 128 --log-interval 5 --log-throughput --eval-interval 20 --eval-iters 2 \
+  --seed 1234 "$@"

@@ -5,7 +5,9 @@
 
 nan: rank r's embedding output becomes NaN in iteration k. sigterm: rank r
 sends itself SIGTERM after iteration k's step. stall: rank r sleeps s seconds
-before iteration k (a stuck rank). The script itself is untouched.
+before iteration k (a stuck rank). The script and the package are untouched:
+the fault wraps megatron_fsdp.training.training.train_step and the example's
+model_provider.
 """
 
 import os
@@ -18,29 +20,30 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pretrain_gpt  # noqa: E402
 
+from megatron_fsdp.enums import ModelType  # noqa: E402
+from megatron_fsdp.training import training  # noqa: E402
+
 FAULT = os.environ["MEGATRON_FSDP_FAULT"]
 RANK = int(os.environ["FAULT_RANK"])
 ITERATION = int(os.environ["FAULT_ITERATION"])
 current = {"iteration": 0}
 here = int(os.environ["RANK"]) == RANK
 
-original_train_step = pretrain_gpt.train_step
-original_build_model = pretrain_gpt.build_model
+original_train_step = training.train_step
 
 
-def train_step(args, model, optimizer, dataset, iteration, *rest):
-    current["iteration"] = iteration
-    if FAULT == "stall" and here and iteration == ITERATION:
+def train_step(*args, iteration=None, **kwargs):
+    current["iteration"] = iteration + 1  # train_step's argument counts the iterations already done
+    if FAULT == "stall" and here and current["iteration"] == ITERATION:
         time.sleep(float(os.environ["FAULT_SECONDS"]))
-    result = original_train_step(args, model, optimizer, dataset, iteration, *rest)
-    if FAULT == "sigterm" and here and iteration == ITERATION:
+    result = original_train_step(*args, iteration=iteration, **kwargs)
+    if FAULT == "sigterm" and here and current["iteration"] == ITERATION:
         os.kill(os.getpid(), signal.SIGTERM)
     return result
 
 
-def build_model(args):
-    model = original_build_model(args)
-    inner = getattr(model, "module", model)
+def model_provider(*args, **kwargs):
+    model = pretrain_gpt.model_provider(*args, **kwargs)
 
     def poison(module, inputs, output):
         if here and current["iteration"] == ITERATION:
@@ -48,11 +51,11 @@ def build_model(args):
         return output
 
     if FAULT == "nan":
-        inner.embedding.register_forward_hook(poison)
+        model.embedding.register_forward_hook(poison)
     return model
 
 
-pretrain_gpt.train_step = train_step
-pretrain_gpt.build_model = build_model
+training.train_step = train_step
 if __name__ == "__main__":
-    pretrain_gpt.main()
+    pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider,
+                          ModelType.encoder_or_decoder, pretrain_gpt.forward_step)

@@ -7,7 +7,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_LINE = re.compile(
-    r"iteration\s+(\d+)/\s*(\d+) \|.*\| throughput \(tokens/s\): [\d.]+ \|.*"
+    r"iteration\s+(\d+)/\s*(\d+) \|.*\| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \|"
+    r" throughput per GPU \(tokens/s/GPU\): [\d.]+ \|.*"
     r"\| lm loss: ([\d.E+-]+) \|.*\| grad norm: ([\d.]+) \|")
 
 

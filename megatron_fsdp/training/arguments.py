@@ -9,10 +9,12 @@ with code 2, argparse's code for a usage error.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
 import warnings
+from typing import Optional
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -22,7 +24,10 @@ class _OneLineErrors(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = None) -> argparse.Namespace:
+    """Parse and check `argv` (sys.argv[1:] by default). As in Megatron-LM,
+    `extra_args_provider(parser)` may add a script's own flags (and returns the
+    parser) and `defaults` overrides flag defaults by destination name."""
     p = _OneLineErrors(description="Pretrain a GPT model the Megatron way, with megatron_fsdp.",
                        allow_abbrev=False)
     a = p.add_argument
@@ -76,15 +81,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--recompute-granularity", choices=["full", "selective"], default=None)
     a("--recompute-method", choices=["uniform", "block"], default=None)
     a("--recompute-num-layers", type=int, default=None)
-    a("--micro-batch-size", type=int, required=True)
+    a("--micro-batch-size", type=int, default=None)
     a("--global-batch-size", type=int, default=None)
-    a("--train-iters", type=int, required=True)
-    a("--lr", type=float, required=True)
+    a("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"))
+    a("--decrease-batch-size-if-needed", action="store_true")
+    a("--train-iters", type=int, default=None)
+    a("--train-samples", type=int, default=None)
+    a("--eval-iters", type=int, default=100)
+    a("--eval-interval", type=int, default=None)
+    a("--skip-train", action="store_true")
+    a("--finetune", action="store_true")
+    a("--lr", type=float, default=None)
     a("--min-lr", type=float, default=0.0)
     a("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="linear")
     a("--lr-wsd-decay-iters", type=int, default=None)
     a("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential", "minus_sqrt"], default="exponential")
     a("--lr-warmup-iters", type=int, default=0)
+    a("--lr-warmup-samples", type=int, default=0)
+    a("--lr-warmup-fraction", type=float, default=None)
+    a("--lr-decay-samples", type=int, default=None)
+    a("--lr-wsd-decay-samples", type=int, default=None)
     a("--lr-warmup-init", type=float, default=0.0)
     a("--lr-decay-iters", type=int, default=None)
     a("--weight-decay", type=float, default=0.01)
@@ -103,23 +119,99 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--loss-scale-window", type=float, default=1000)
     a("--hysteresis", type=int, default=2)
     a("--seed", type=int, default=1234)
-    a("--mock-data", action="store_true")
-    a("--tokenizer-type", default="NullTokenizer", choices=["NullTokenizer"])
-    a("--vocab-size", type=int, default=None)
-    a("--make-vocab-size-divisible-by", type=int, default=128)
-    a("--log-interval", type=int, default=100)
+    _add_fusion_args(a)
+    _add_fp8_args(a)
+    _add_data_args(a)
+    _add_logging_args(a)
     a("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    if extra_args_provider is not None:
+        p = extra_args_provider(p)
+    if defaults:
+        p.set_defaults(**defaults)
     args = p.parse_args(argv)
     _validate(p, args)
     return args
 
 
+def _add_fusion_args(a) -> None:
+    # Megatron-LM's fusions are on by default; each one selects Megatron's
+    # numerics for that path (tanh GELU for bias+GELU, fp32 RoPE rotation...),
+    # see TransformerConfig. --no-* turns one off.
+    a("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
+    a("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
+    a("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
+    a("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
+    a("--no-rope-fusion", dest="apply_rope_fusion", action="store_false")
+    a("--no-persist-layer-norm", action="store_true")
+
+
+def _add_fp8_args(a) -> None:
+    a("--fp8-format", dest="fp8", choices=["e4m3", "hybrid"], default=None)
+    a("--fp8-recipe", choices=["tensorwise", "delayed"], default="delayed")
+    a("--fp8-margin", type=int, default=0)
+    a("--fp8-amax-history-len", type=int, default=1)
+    a("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+    a("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false")
+    a("--first-last-layers-bf16", action="store_true")
+    a("--num-layers-at-start-in-bf16", type=int, default=1)
+    a("--num-layers-at-end-in-bf16", type=int, default=1)
+    a("--fp8-param-gather", action="store_true")
+
+
+def _add_data_args(a) -> None:
+    a("--mock-data", action="store_true")
+    a("--data-path", nargs="*", default=None)
+    a("--split", default=None)
+    a("--train-data-path", nargs="*", default=None)
+    a("--valid-data-path", nargs="*", default=None)
+    a("--test-data-path", nargs="*", default=None)
+    a("--per-split-data-args-path", default=None)
+    a("--data-cache-path", default=None)
+    a("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false")
+    a("--num-workers", type=int, default=2)
+    a("--dataloader-type", choices=["single", "cyclic"], default="single")
+    a("--reset-position-ids", action="store_true")
+    a("--reset-attention-mask", action="store_true")
+    a("--eod-mask-loss", action="store_true")
+    a("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
+      action="store_false")
+    a("--num-dataset-builder-threads", type=int, default=1)
+    a("--mid-level-dataset-surplus", type=float, default=0.005)
+    a("--tokenizer-type", default="NullTokenizer",
+      choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"])
+    a("--vocab-size", type=int, default=None)
+    a("--vocab-file", default=None)
+    a("--merge-file", default=None)
+    a("--tokenizer-model", default=None)
+    a("--vocab-extra-ids", type=int, default=0)
+    a("--tokenizer-hf-no-include-special-tokens", action="store_true")
+    a("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def _add_logging_args(a) -> None:
+    a("--log-interval", type=int, default=100)
+    a("--log-throughput", action="store_true")
+    a("--log-params-norm", action="store_true")
+    a("--log-num-zeros-in-grad", action="store_true")
+    a("--tensorboard-dir", default=None)
+    a("--tensorboard-log-interval", type=int, default=1)
+    a("--tensorboard-queue-size", type=int, default=1000)
+    a("--log-timers-to-tensorboard", action="store_true")
+    a("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard", action="store_false")
+    a("--log-validation-ppl-to-tensorboard", action="store_true")
+    a("--log-memory-to-tensorboard", action="store_true")
+    a("--log-world-size-to-tensorboard", action="store_true")
+    a("--wandb-project", default=None)
+    a("--wandb-exp-name", default=None)
+    a("--wandb-save-dir", default=None)
+
+
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     # Checked on every rank before any process group exists: all ranks fail alike.
-    if not args.mock_data:
-        parser.error("only --mock-data is supported as a data source")
-    if args.vocab_size is None or args.vocab_size < 2:
-        parser.error("--vocab-size (>= 2) is required with --mock-data and --tokenizer-type NullTokenizer")
+    # (Required here, not by argparse, so that a script's `defaults` can supply them.)
+    missing = [f"--{n.replace('_', '-')}" for n in ("micro_batch_size", "lr") if getattr(args, n) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 exclude each other")
     if args.weight_decay_incr_style == "constant":
@@ -133,14 +225,18 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler exclude each other")
     if args.distributed_timeout_minutes <= 0:
         parser.error(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
-    for name in ("exit_interval", "exit_duration_in_mins"):
+    for name in ("exit_interval", "exit_duration_in_mins", "train_iters", "train_samples", "eval_interval"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "tensor_model_parallel_size", "log_interval", "make_vocab_size_divisible_by"):
+                 "tensor_model_parallel_size", "log_interval", "make_vocab_size_divisible_by",
+                 "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("eval_iters", "num_workers", "vocab_extra_ids"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     # Megatron: with --bf16, gradients are accumulated and reduced in fp32
     # unless --grad-reduce-in-bf16 asks otherwise.
     if args.bf16 and not args.grad_reduce_in_bf16:
@@ -162,32 +258,192 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
                      "need --use-torch-fsdp2")
     if args.lr <= 0:
         parser.error(f"--lr must be positive, got {args.lr}")
+    _validate_model(parser, args)
+    _validate_parallel_and_batch(parser, args)
+    _validate_schedule(parser, args)
+    _validate_data(parser, args)
+    _validate_logging(parser, args)
+    _validate_fp8(parser, args)
+
+
+def _validate_model(parser, args) -> None:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
         parser.error(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                      f"{args.max_position_embeddings}")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ffn_hidden_size is None:
+        # Megatron's default; with SwiGLU it keeps the parameter count of a 4h GELU MLP.
+        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        if args.ffn_hidden_size < 1:
+            parser.error(f"--swiglu with --hidden-size {args.hidden_size} gives Megatron's default FFN size 0: "
+                         "set --ffn-hidden-size")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads != 0:
+            parser.error(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                         f"{args.num_attention_heads}: set --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+
+
+def _validate_parallel_and_batch(parser, args) -> None:
+    args.world_size = world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
     tp = args.tensor_model_parallel_size
     if world_size % tp != 0:
         parser.error(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
-    dp = world_size // tp
+    args.data_parallel_size = dp = world_size // tp
     if dp % args.num_distributed_optimizer_instances != 0:
         parser.error(f"data-parallel size {dp} is not divisible by --num-distributed-optimizer-instances "
                      f"{args.num_distributed_optimizer_instances}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+    if args.global_batch_size % (args.micro_batch_size * dp) != 0 and not args.decrease_batch_size_if_needed:
         parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by "
                      f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}")
+    if args.global_batch_size < args.micro_batch_size * dp:
+        parser.error(f"--global-batch-size {args.global_batch_size} is smaller than --micro-batch-size "
+                     f"{args.micro_batch_size} x data-parallel size {dp}")
+    if args.rampup_batch_size is not None:
+        start, increment, samples = args.rampup_batch_size
+        if start < 1 or increment < 1 or samples < 0:
+            parser.error(f"--rampup-batch-size needs START >= 1, INCREMENT >= 1, SAMPLES >= 0, got "
+                         f"{args.rampup_batch_size}")
+        if start > args.global_batch_size or (args.global_batch_size - start) % increment != 0:
+            parser.error(f"--rampup-batch-size: --global-batch-size {args.global_batch_size} minus START {start} "
+                         f"must be a non-negative multiple of INCREMENT {increment}")
     if args.sequence_parallel and tp == 1:
         # Megatron turns it off with a warning: there is nothing to split.
-        if int(os.environ.get("RANK", "0")) == 0:
+        if args.rank == 0:
             warnings.warn("--sequence-parallel has no effect at --tensor-model-parallel-size 1; turning it off",
-                          stacklevel=2)
+                          stacklevel=3)
         args.sequence_parallel = False
     if args.sequence_parallel and args.seq_length % tp != 0:
         parser.error(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                      f"--tensor-model-parallel-size ({tp})")
-    multiple = args.make_vocab_size_divisible_by * tp
-    args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
+
+
+def _validate_schedule(parser, args) -> None:
+    """Megatron's two ways to say how long to train: iterations or samples."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        parser.error("give exactly one of --train-iters and --train-samples")
+    if args.train_iters is not None:
+        for name in ("lr_decay_samples", "lr_wsd_decay_samples"):
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')} needs --train-samples (with --train-iters use the "
+                             "-iters flag)")
+        if args.lr_warmup_samples:
+            parser.error("--lr-warmup-samples needs --train-samples (with --train-iters use --lr-warmup-iters)")
+        if args.rampup_batch_size is not None:
+            # As Megatron: a ramp-up is defined in samples.
+            parser.error("--rampup-batch-size needs --train-samples, not --train-iters")
+    else:
+        for name in ("lr_decay_iters", "lr_wsd_decay_iters"):
+            if getattr(args, name) is not None:
+                parser.error(f"--{name.replace('_', '-')} needs --train-iters (with --train-samples use the "
+                             "-samples flag)")
+        if args.lr_warmup_iters:
+            parser.error("--lr-warmup-iters needs --train-iters (with --train-samples use --lr-warmup-samples)")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        parser.error("--lr-warmup-fraction excludes --lr-warmup-iters and --lr-warmup-samples")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        parser.error(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+
+
+def _validate_data(parser, args) -> None:
+    per_split = args.train_data_path or args.valid_data_path or args.test_data_path
+    sources = [name for name, given in (("--mock-data", args.mock_data), ("--data-path", args.data_path),
+                                        ("--train/valid/test-data-path", per_split),
+                                        ("--per-split-data-args-path", args.per_split_data_args_path)) if given]
+    if len(sources) != 1:
+        parser.error("give exactly one data source: --mock-data, --data-path, --train-data-path/"
+                     f"--valid-data-path/--test-data-path or --per-split-data-args-path (got {sources or 'none'})")
+    if args.split is not None and not args.data_path:
+        parser.error("--split applies to --data-path only")
+    if args.data_path and args.split is None:
+        args.split = "969, 30, 1"
+    needs = {"NullTokenizer": ("vocab_size",), "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+             "HuggingFaceTokenizer": ("tokenizer_model",)}[args.tokenizer_type]
+    missing = [f"--{n.replace('_', '-')}" for n in needs if getattr(args, n) is None]
+    if missing:
+        parser.error(f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size < 2:
+        parser.error(f"--vocab-size must be >= 2, got {args.vocab_size}")
+    # Set from the tokenizer's vocabulary when the tokenizer is built.
+    args.padded_vocab_size = None
+
+
+def _validate_logging(parser, args) -> None:
+    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        parser.error("--tensorboard-dir needs the tensorboard package (pip install tensorboard)")
+    if args.wandb_project is not None and importlib.util.find_spec("wandb") is None:
+        parser.error("--wandb-project needs the wandb package (pip install wandb)")
+    for flag in ("log_timers_to_tensorboard", "log_validation_ppl_to_tensorboard", "log_memory_to_tensorboard",
+                 "log_world_size_to_tensorboard"):
+        if getattr(args, flag) and args.tensorboard_dir is None and args.wandb_project is None:
+            parser.error(f"--{flag.replace('_', '-')} needs --tensorboard-dir or --wandb-project")
+    if (args.wandb_exp_name or args.wandb_save_dir) and args.wandb_project is None:
+        parser.error("--wandb-exp-name and --wandb-save-dir need --wandb-project")
+
+
+def _validate_fp8(parser, args) -> None:
+    if args.fp8 is None:
+        given = [f for f, default in (("--fp8-recipe", "delayed"), ("--fp8-margin", 0), ("--fp8-amax-history-len", 1),
+                                      ("--fp8-amax-compute-algo", "most_recent"), ("--no-fp8-wgrad", True),
+                                      ("--first-last-layers-bf16", False), ("--fp8-param-gather", False))
+                 if getattr(args, f.lstrip("-").replace("no-", "").replace("-", "_")) != default]
+        if given:
+            parser.error(f"{', '.join(given)} need --fp8-format")
+        return
+    if args.fp8_param_gather and not args.use_torch_fsdp2:
+        parser.error("--fp8-param-gather needs --use-torch-fsdp2")
+    if args.fp8_amax_history_len < 1 or args.fp8_margin < 0:
+        parser.error(f"--fp8-amax-history-len must be >= 1 and --fp8-margin >= 0, got "
+                     f"{args.fp8_amax_history_len} and {args.fp8_margin}")
+    if args.first_last_layers_bf16:
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if not 0 <= getattr(args, name) <= args.num_layers:
+                parser.error(f"--{name.replace('_', '-')} must be in [0, --num-layers {args.num_layers}], got "
+                             f"{getattr(args, name)}")
+
+
+def vocab_size_with_padding(orig_vocab_size: int, args) -> int:
+    """Megatron's padded vocabulary: a multiple of --make-vocab-size-divisible-by x TP."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(orig_vocab_size / multiple) * multiple)
+
+
+def core_transformer_config_from_args(args, config_class=None):
+    """The TransformerConfig the flags describe (Megatron-LM's helper of the same name).
+    The fp8 fields are passed only with --fp8-format."""
+    import torch.nn.functional as F
+
+    from ..transformer import TransformerConfig
+    fields = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=not args.disable_bias_linear,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, bf16=args.bf16, fp16=args.fp16,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        # As Megatron-LM: no bias, no bias+GELU fusion; RoPE fusion only with RoPE.
+        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else
+        (args.bias_gelu_fusion and not args.disable_bias_linear),
+        masked_softmax_fusion=args.masked_softmax_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        apply_rope_fusion=args.apply_rope_fusion and args.position_embedding_type == "rope",
+        persist_layer_norm=not args.no_persist_layer_norm,
+    )
+    if args.fp8 is not None:
+        fields.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
+                      fp8_amax_history_len=args.fp8_amax_history_len,
+                      fp8_amax_compute_algo=args.fp8_amax_compute_algo, fp8_wgrad=args.fp8_wgrad,
+                      first_last_layers_bf16=args.first_last_layers_bf16,
+                      num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
+                      num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16, fp8_param=args.fp8_param_gather)
+    return (config_class or TransformerConfig)(**fields)

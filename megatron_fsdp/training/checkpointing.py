@@ -10,7 +10,7 @@ Layout, Megatron's names:
         common.pt                                 iteration, scheduler, loss scaler, layout, vocabulary,
                                                   extra state
         rng/rank_00003.pt                         each rank's RNG states
-        checksums.json                            crc32 and size of every file above
+        checksums.json                            checksum (crc32c, or zlib crc32 without the extension) and size of every file above
 
 A checkpoint is written into `iter_XXXXXXX.tmp-<run>-<id>` and published by
 rename once every rank finished writing and rank 0 wrote the checksum
@@ -51,10 +51,11 @@ from ..dist_checkpointing import checksums, core, publish, torch_dcp
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.export import export_safetensors
 from ..dist_checkpointing.vocab_padding import vocab_param_names
+from ..fp8 import fp8_state_dict, has_fp8_linears, load_fp8_state_dict
 from ..tensor_parallel import random as tp_random
 
 __all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "export_safetensors", "load_checkpoint",
-           "read_latest_iteration", "save_checkpoint"]
+           "load_training_checkpoint", "read_latest_iteration", "save_checkpoint", "save_training_checkpoint"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CKPT_FORMAT = "torch_dcp"
@@ -171,11 +172,13 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
                 "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
                 "grad_scaler": _grad_scaler_state(optimizer),
                 "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(torch_dcp.unwrap(model))},
+                # fp8 delayed-scaling histories (the same on every rank); weights are saved in high precision.
+                "fp8": fp8_state_dict(model) if has_fp8_linears(model) else None,
                 "extra_state": extra_state or {}})
         for name, data in files.items():
             publish.write_durable(os.path.join(tmp, name), data)
             if record is not None:
-                record[name] = checksums.crc32_of(data)
+                record[name] = checksums.checksum_of(data)
     except (Exception, CheckpointException) as exc:  # DCP reports a failed rank to all ranks
         error = exc
     try:
@@ -367,6 +370,10 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
 
     torch_dcp.load_sharded(path, model, optimizer, state, rows)
+    if has_fp8_linears(model):
+        # Histories back (fresh ones from a checkpoint saved without fp8) and the
+        # weight scales recomputed from the loaded weights: a collective, on every rank.
+        load_fp8_state_dict(model, common.get("fp8"))
     if load_optim and opt_param_scheduler is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if scaler_state is not None:
@@ -375,3 +382,58 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
         _set_rng_state(torch.load(rng_path, weights_only=True))
     return {"iteration": common["iteration"], "extra_state": common["extra_state"], "rng_restored": restore_rng,
             "path": path, "missing": None}
+
+
+# ---------------------------------------------------------------------- training state
+
+# Flags that fix the model's architecture: a checkpoint resumes only into the same ones.
+_ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                      "kv_channels", "swiglu", "normalization", "position_embedding_type",
+                      "untie_embeddings_and_output_weights", "disable_bias_linear", "max_position_embeddings")
+
+
+def save_training_checkpoint(args, iteration: int, model, optimizer, opt_param_scheduler,
+                             num_floating_point_operations_so_far: float = 0.0,
+                             true_vocab_size: Optional[int] = None) -> str:
+    """save_checkpoint to args.save with the training loop's state: consumed
+    train/validation samples (so a resume reads the next sample an
+    uninterrupted run would), the FLOPs so far, the architecture flags and,
+    (through save_checkpoint) the fp8 scaling state."""
+    extra = {
+        "consumed_train_samples": int(args.consumed_train_samples),
+        "consumed_valid_samples": int(args.consumed_valid_samples),
+        "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
+        "args": {name: getattr(args, name, None) for name in _ARCHITECTURE_ARGS},
+    }
+    model = model[0] if isinstance(model, list) else model
+    return save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.save, extra_state=extra,
+                           true_vocab_size=true_vocab_size)
+
+
+def load_training_checkpoint(args, model, optimizer, opt_param_scheduler,
+                             true_vocab_size: Optional[int] = None) -> tuple[int, float, dict]:
+    """Megatron-LM's --load/--finetune/--no-load-optim/--no-load-rng: load
+    args.load and restore args.consumed_train_samples and
+    args.consumed_valid_samples. Returns (iteration, FLOPs so far, what
+    load_checkpoint returned); (0, 0.0, ...) for a fresh start."""
+    model = model[0] if isinstance(model, list) else model
+    loaded = load_checkpoint(model, optimizer, opt_param_scheduler, args.load,
+                             load_optim=not (args.no_load_optim or args.finetune),
+                             load_rng=not (args.no_load_rng or args.finetune),
+                             true_vocab_size=true_vocab_size, verify=not args.no_verify_checkpoint,
+                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint)
+    if loaded.get("missing"):
+        return 0, 0.0, loaded
+    extra = loaded["extra_state"]
+    saved_args = extra.get("args") or {}
+    differing = {name: (saved_args[name], getattr(args, name, None)) for name in _ARCHITECTURE_ARGS
+                 if name in saved_args and saved_args[name] != getattr(args, name, None)}
+    if differing:
+        raise CheckpointError(f"checkpoint {loaded['path']} was saved with other model flags: "
+                              + ", ".join(f"--{k.replace('_', '-')} {v[0]!r} (now {v[1]!r})"
+                                          for k, v in differing.items()))
+    if args.finetune:
+        return 0, 0.0, loaded
+    args.consumed_train_samples = int(extra.get("consumed_train_samples", 0))
+    args.consumed_valid_samples = int(extra.get("consumed_valid_samples", 0))
+    return loaded["iteration"], float(extra.get("num_floating_point_operations_so_far", 0.0)), loaded

@@ -1,6 +1,12 @@
-"""Ending a distributed job cleanly (Megatron-LM's `megatron/training/initialize.py` place).
+"""Starting and ending a distributed job (Megatron-LM's `megatron/training/initialize.py`).
 
-torch 2.13 + gloo: a process that destroys its process group while a peer is
+Start: `initialize_distributed(args)` creates the process group (NCCL on
+GPUs, gloo on CPU, --distributed-timeout-minutes), then, inside
+`distributed_job()`, `initialize_megatron(args)` builds the model-parallel
+groups, seeds every generator as Megatron does and sets up the
+number-of-microbatches calculator.
+
+End: torch 2.13 + gloo: a process that destroys its process group while a peer is
 still inside a collective (FSDP2's last reduce-scatter, say) aborts at exit
 in about one run in five ("terminate called without an active exception",
 exit code 1 after a finished run). A barrier first makes every rank idle
@@ -9,12 +15,18 @@ before any of them tears its connections down.
 
 from __future__ import annotations
 
+import os
+import random
 import sys
 from datetime import timedelta
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
-from .. import parallel_state
+from .. import parallel_state, tensor_parallel
+from ..num_microbatches_calculator import destroy_num_microbatches_calculator, init_num_microbatches_calculator
+from .global_vars import set_args
 
 DEFAULT_SHUTDOWN_TIMEOUT = timedelta(minutes=5)
 
@@ -74,3 +86,37 @@ class distributed_job:
             sys.stderr.flush()
         shutdown_distributed(failed=failed, timeout=self.timeout)
         return False
+
+
+def initialize_distributed(args, store=None) -> None:
+    """The default process group, from torchrun's environment."""
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        # Worker processes on one machine share its cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    kwargs = {} if store is None else {"store": store, "rank": args.rank, "world_size": args.world_size}
+    dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes), **kwargs)
+
+
+def set_random_seed(seed: int) -> None:
+    """Python, numpy and torch generators, and the tensor-parallel RNG tracker (Megatron's offsets)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_megatron(args) -> None:
+    """Model-parallel groups, seeds, microbatch calculator and the global args."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
+    set_random_seed(args.seed)
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(dist.get_rank(), args.rampup_batch_size, args.global_batch_size,
+                                     args.micro_batch_size, parallel_state.get_data_parallel_world_size(),
+                                     args.decrease_batch_size_if_needed)
+    set_args(args)

@@ -6,12 +6,12 @@ import contextlib
 from typing import Optional
 
 import torch
-from torch import nn
 
 from ... import parallel_state
 from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from ...transformer.module import MegatronModule
 from ...transformer.transformer_block import TransformerBlock
 from ...transformer.utils import reject_unsupported_inputs
 from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
@@ -34,7 +34,7 @@ def _check_parallel_layout(config) -> None:
         )
 
 
-class GPTModel(nn.Module):
+class GPTModel(MegatronModule):
     def __init__(
         self,
         config,
@@ -56,7 +56,7 @@ class GPTModel(nn.Module):
         mtp_block_spec=None,
         vp_stage: Optional[int] = None,
     ):
-        super().__init__()
+        super().__init__(config)
         for name, value in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTModel: {name} must be a positive integer, got {value!r}")
@@ -69,7 +69,6 @@ class GPTModel(nn.Module):
         _check_parallel_layout(config)
         layer_class_from_spec(transformer_layer_spec)  # a bad spec fails before anything is built
 
-        self.config = config
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process

@@ -1,0 +1,187 @@
+"""Megatron-Core's forward-backward schedule without pipelining.
+
+`forward_backward_no_pipelining` runs `num_microbatches` forward and backward
+passes, every one but the last inside `config.no_sync_func()` (the
+data-parallel wrapper's `no_sync`), so that gradient synchronization is
+completed with the last one, then calls `config.finalize_model_grads_func`.
+Losses are scaled as in Megatron: a loss function returning
+`(loss, num_tokens, report)` has its loss divided by the tokens and by the
+number of microbatches (unless `config.calculate_per_token_loss`); one
+returning `(loss, report)` is divided by the number of microbatches (and
+multiplied by the context-parallel size). The reports of every microbatch
+are returned in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+
+from .. import parallel_state
+from ..utils import get_attr_wrapped_model, get_model_config, reject_unsupported
+
+
+def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
+                              schedule_pg_collection=None) -> Callable:
+    """The schedule for the current pipeline layout: without pipeline
+    parallelism (the only layout megatron_fsdp has), forward_backward_no_pipelining."""
+    if pp_size is None and vp_size is None and parallel_state.model_parallel_is_initialized():
+        pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    reject_unsupported("get_forward_backward_func", {
+        "pp_size": (pp_size or 1, 1, "pipeline parallelism is not implemented"),
+        "vp_size": (vp_size, None, "virtual pipeline parallelism is not implemented"),
+        "schedule_pg_collection": (schedule_pg_collection, None, "multi-module schedules are not implemented"),
+    })
+    return forward_backward_no_pipelining
+
+
+def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, cond: bool) -> bool:
+    if first_val_step is not None and forward_only:
+        return first_val_step and cond
+    return cond
+
+
+def _timer(config, name: str, log_level: int):
+    timers = getattr(config, "timers", None)
+    return None if timers is None else timers(name, log_level=log_level)
+
+
+def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, input_tensor, forward_data_store,
+                 config, cp_group_size: Optional[int] = None, collect_non_loss_data: bool = False,
+                 checkpoint_activations_microbatch=None, is_first_microbatch: bool = False,
+                 current_microbatch: Optional[int] = None, vp_stage=None, is_last_stage: bool = True):
+    """One microbatch's forward and loss; returns (scaled loss, number of tokens)."""
+    timer = _timer(config, "forward-compute", 2)
+    if timer is not None:
+        timer.start()
+    if is_first_microbatch:
+        try:
+            get_attr_wrapped_model(model, "set_is_first_microbatch")()
+        except RuntimeError:
+            pass  # a model without fp8 weight caches has nothing to refresh
+    if getattr(config, "enable_autocast", False):
+        autocast = torch.autocast(_device().type, dtype=config.autocast_dtype)
+    else:
+        autocast = contextlib.nullcontext()
+    with autocast:
+        if checkpoint_activations_microbatch is None:
+            output_tensor, loss_func = forward_step_func(data_iterator, model)
+        else:
+            output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+    if cp_group_size is None:
+        cp_group_size = (parallel_state.get_context_parallel_world_size()
+                         if parallel_state.model_parallel_is_initialized() else 1)
+    num_tokens = torch.tensor(0, dtype=torch.int)
+    if loss_func is None:
+        forward_data_store.append(output_tensor)
+    elif collect_non_loss_data:
+        forward_data_store.append(loss_func(output_tensor, non_loss_data=True))
+    else:
+        outputs = loss_func(output_tensor)
+        if len(outputs) == 3:
+            output_tensor, num_tokens, loss_reduced = outputs
+            if not getattr(config, "calculate_per_token_loss", False):
+                # A microbatch whose tokens are all masked contributes zero, not NaN.
+                output_tensor = output_tensor / torch.clamp(num_tokens, min=1)
+                output_tensor = output_tensor / num_microbatches
+        elif len(outputs) == 2:
+            output_tensor, loss_reduced = outputs
+            output_tensor = output_tensor * cp_group_size / num_microbatches
+        else:
+            raise ValueError(f"loss_func must return (loss, report) or (loss, num_tokens, report), got "
+                             f"{len(outputs)} values")
+        forward_data_store.append(loss_reduced)
+    if timer is not None:
+        timer.stop()
+    return output_tensor, num_tokens
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+    """Backward from the (scaled) loss; no pipeline, so no input gradient to return."""
+    timer = _timer(config, "backward-compute", 2)
+    if timer is not None:
+        timer.start()
+    if output_tensor_grad is None and config.grad_scale_func is not None:
+        output_tensor = config.grad_scale_func(output_tensor)
+    if output_tensor.requires_grad:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    if timer is not None:
+        timer.stop()
+    return None
+
+
+def _device() -> torch.device:
+    return parallel_state.get_device() if parallel_state.model_parallel_is_initialized() else torch.device("cpu")
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func,
+    data_iterator: Union[Iterator, list],
+    model: Union[torch.nn.Module, list],
+    num_microbatches: int,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+):
+    """Run forward (and backward unless `forward_only`) over `num_microbatches`
+    microbatches drawn by `forward_step_func` from `data_iterator`; returns the
+    loss functions' reports, one per microbatch. `seq_length`,
+    `micro_batch_size` and `decoder_seq_length` are unused without pipelining,
+    as in Megatron."""
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError(f"the schedule without pipelining takes one model chunk, got {len(model)}")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != 1:
+            raise ValueError(f"the schedule without pipelining takes one data iterator, got {len(data_iterator)}")
+        data_iterator = data_iterator[0]
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    reject_unsupported("forward_backward_no_pipelining", {
+        "adjust_tensor_shapes_fn": (adjust_tensor_shapes_fn, None, "it applies to pipeline schedules only")})
+
+    config = get_model_config(model)
+    timer = _timer(config, "forward-backward", 1)
+    if timer is not None:
+        timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
+    no_sync_func = config.no_sync_func or contextlib.nullcontext
+    cp_size = pg_collection.cp.size() if pg_collection is not None else None
+    forward_data_store = []
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=_device())
+
+    def one_microbatch(i: int) -> None:
+        nonlocal total_num_tokens
+        output_tensor, num_tokens = forward_step(
+            forward_step_func, data_iterator, model, num_microbatches, None, forward_data_store, config,
+            cp_size, collect_non_loss_data,
+            is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
+            current_microbatch=i)
+        total_num_tokens = total_num_tokens + torch.as_tensor(num_tokens).to(total_num_tokens.device)
+        if not forward_only:
+            backward_step(None, output_tensor, None, config)
+
+    with no_sync_func():
+        for i in range(num_microbatches - 1):
+            one_microbatch(i)
+    # The last microbatch runs outside no_sync: its backward completes the gradient synchronization.
+    one_microbatch(num_microbatches - 1)
+
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func(
+            [model], total_num_tokens if getattr(config, "calculate_per_token_loss", False) else None,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    if timer is not None:
+        timer.stop()
+    return forward_data_store

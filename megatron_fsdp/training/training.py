@@ -1,0 +1,382 @@
+"""pretrain(): Megatron-LM's training entry point, on megatron_fsdp.
+
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step)
+
+runs, in order: flags (training/arguments.py) -> process group, model-parallel
+groups, seeds, microbatch calculator (training/initialize.py) -> tokenizer ->
+model from `model_provider(pre_process, post_process)`, wrapped in
+TorchFullyShardedDataParallel with --use-torch-fsdp2 (else replicated, its
+gradients averaged by finalize_model_grads) -> optimizer and learning-rate
+schedule -> --load -> data iterators -> the training loop -> validation and
+test at the end.
+
+One iteration (train_step): the no-pipelining schedule runs the
+microbatches (all but the last inside the wrapper's no_sync()),
+finalize_model_grads completes the gradient reduction, NaN/inf losses or
+gradients stop every rank (--check-for-nan-in-loss-and-grad), the optimizer
+steps (an fp16 overflow skips the step), and the schedule advances by the
+samples consumed, as in Megatron. After it: the log line, validation every
+--eval-interval, a checkpoint every --save-interval, and the exit checks
+(--exit-signal-handler, --exit-interval, --exit-duration-in-mins), each of
+which saves before stopping every rank at the same iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Optional
+
+import torch
+
+from .. import parallel_state
+from ..distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+from ..distributed.finalize_model_grads import finalize_model_grads
+from ..enums import ModelType
+from ..num_microbatches_calculator import get_num_microbatches, update_num_microbatches
+from ..optimizer import OptimizerConfig, get_megatron_optimizer
+from ..optimizer_param_scheduler import OptimizerParamScheduler
+from ..pipeline_parallel import get_forward_backward_func
+from ..tensor_parallel.utils import local_tensor
+from ..utils import get_model_config, reject_unsupported
+from .arguments import parse_args, vocab_size_with_padding
+from .checkpointing import load_training_checkpoint, save_training_checkpoint
+from .data_iterators import build_train_valid_test_data_iterators
+from .dist_signal_handler import DistributedSignalHandler
+from .evaluation import evaluate, evaluate_and_print_results
+from .flops import num_floating_point_operations
+from .global_vars import get_args, set_tokenizer
+from .initialize import distributed_job, initialize_distributed, initialize_megatron
+from .nan_check import check_for_nan_in_loss_and_grad
+from .progress import CollectiveTimeoutError, ProgressBeacon, is_timeout
+from .training_log import TrainingLogger, build_tensorboard_writer, build_wandb_writer
+from .tokenizer import build_tokenizer
+from .utils import calc_params_l2_norm, print_rank_0, print_rank_last, report_memory
+
+__all__ = ["evaluate", "evaluate_and_print_results", "get_model", "num_floating_point_operations", "pretrain",
+           "setup_model_and_optimizer", "setup_tokenizer", "train", "train_step"]
+
+
+def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults: Optional[dict] = None,
+             get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None, store=None):
+    """Train a model the Megatron way (see the module docstring). The flags
+    are read from the command line; `extra_args_provider` and
+    `args_defaults` add flags and change defaults, as in Megatron-LM."""
+    reject_unsupported("pretrain", {
+        "process_non_loss_data_func": (process_non_loss_data_func, None, "non-loss evaluation data is not supported"),
+        "non_loss_data_func": (non_loss_data_func, None, "non-loss evaluation data is not supported"),
+        "get_embedding_ranks": (get_embedding_ranks, None, "there is no pipeline parallelism"),
+        "get_position_embedding_ranks": (get_position_embedding_ranks, None, "there is no pipeline parallelism"),
+    })
+    if model_type != ModelType.encoder_or_decoder:
+        raise ValueError(f"pretrain: model_type {model_type!r} is not supported (only "
+                         "ModelType.encoder_or_decoder)")
+    args = parse_args(extra_args_provider=extra_args_provider, defaults=args_defaults)
+    initialize_distributed(args, store)
+    with distributed_job():
+        beacon = ProgressBeacon()
+        try:
+            initialize_megatron(args)
+            _pretrain(args, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, beacon)
+        except RuntimeError as exc:
+            if is_timeout(exc):
+                raise CollectiveTimeoutError(beacon.explain_timeout(exc)) from exc
+            raise
+
+
+def setup_tokenizer(args) -> int:
+    """Build --tokenizer-type's tokenizer (get_tokenizer() returns it), set
+    args.padded_vocab_size, and return the true vocabulary size."""
+    tokenizer = build_tokenizer(args)
+    vocab_size = tokenizer.vocab_size
+    set_tokenizer(tokenizer)
+    if getattr(args, "padded_vocab_size", None) is None:
+        args.padded_vocab_size = vocab_size_with_padding(vocab_size, args)
+    return vocab_size
+
+
+def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_func, beacon) -> None:
+    train_start = time.time()
+    true_vocab_size = setup_tokenizer(args)
+    print_rank_last(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size} x "
+                    f"data-parallel {parallel_state.get_data_parallel_world_size()} on "
+                    f"{parallel_state.get_device_type()}")
+    beacon.mark("model and optimizer construction")
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args=args,
+                                                                      true_vocab_size=true_vocab_size, beacon=beacon)
+    config = get_model_config(model[0])
+    if (args.bf16 or args.fp16) and not args.use_torch_fsdp2:
+        # Replicated fp32 weights: the forward runs under autocast instead of FSDP's mixed precision.
+        forward_step_func = _autocast(forward_step_func, torch.float16 if args.fp16 else torch.bfloat16)
+    beacon.mark("data loaders")
+    train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(dataset_provider, args)
+    logger = TrainingLogger(args, build_tensorboard_writer(args), build_wandb_writer(args))
+    try:
+        iteration, exit_reason = args.iteration, None
+        if args.do_train and not args.skip_train:
+            print_rank_0("training ...")
+            iteration, flops, exit_reason = train(
+                forward_step_func, model, optimizer, opt_param_scheduler, train_iterator, valid_iterator, config,
+                args=args, logger=logger, beacon=beacon, train_start=train_start, true_vocab_size=true_vocab_size)
+            saved_last = args.save_interval and iteration % args.save_interval == 0
+            if exit_reason is None and args.save and iteration > args.iteration and not saved_last:
+                _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
+        if exit_reason is not None:
+            return  # as Megatron: an exit condition ends the job without the final evaluation
+        beacon.mark("final evaluation")
+        if args.do_valid:
+            evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func,
+                                       valid_iterator, model, iteration, config, args, logger=logger,
+                                       verbose=True, write_to_tensorboard=not args.skip_train)
+        if args.do_test:
+            evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_iterator,
+                                       model, iteration, config, args, logger=logger, verbose=True,
+                                       write_to_tensorboard=not args.skip_train)
+    finally:
+        logger.close()
+
+
+def _autocast(forward_step_func, dtype):
+    @functools.wraps(forward_step_func)
+    def forward_step(*args, **kwargs):
+        with torch.autocast(parallel_state.get_device_type(), dtype=dtype):
+            return forward_step_func(*args, **kwargs)
+    return forward_step
+
+
+# ---------------------------------------------------------------------- model and optimizer
+
+
+def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp: bool = True, *, args=None):
+    """[model]: built by `model_provider_func(pre_process=True, post_process=True)`
+    and, with --use-torch-fsdp2, sharded by TorchFullyShardedDataParallel."""
+    args = args or get_args()
+    model = model_provider_func(pre_process=True, post_process=True)
+    count = sum(local_tensor(p).numel() for p in model.parameters())
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank "
+              f"({parallel_state.get_tensor_model_parallel_rank()}, 0): {count}", flush=True)
+    if wrap_with_ddp and args.use_torch_fsdp2:
+        fields = dict(
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+            reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward,
+            accumulate_unsharded_grads_in_no_sync=args.torch_fsdp2_accumulate_unsharded_grads)
+        if args.fp8_param_gather:
+            fields["fp8_param_gather"] = True
+        model = TorchFullyShardedDataParallel(get_model_config(model), TorchFullyShardedDataParallelConfig(**fields),
+                                              model)
+    return [model]
+
+
+def get_optimizer_param_scheduler(optimizer, args=None) -> OptimizerParamScheduler:
+    """Megatron's schedule, counted in samples: warmup and decay lengths given
+    in iterations are multiplied by the global batch size."""
+    args = args or get_args()
+    if args.train_samples:  # (train_iters is then derived from it, so test this first)
+        decay_steps = args.lr_decay_samples or args.train_samples
+        wd_incr_steps = args.train_samples
+        wsd_steps = args.lr_wsd_decay_samples
+        warmup_steps = args.lr_warmup_samples
+    else:
+        gbs = args.global_batch_size
+        decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
+        wd_incr_steps = args.train_iters * gbs
+        wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        warmup_steps = args.lr_warmup_iters * gbs
+    if args.lr_warmup_fraction is not None:
+        warmup_steps = args.lr_warmup_fraction * decay_steps
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler, wsd_decay_steps=wsd_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def _iterations_for_samples(args) -> int:
+    """--train-samples as iterations, stepping through the batch-size ramp-up (Megatron's update_train_iters)."""
+    iterations, consumed = 0, 0
+    while consumed < args.train_samples:
+        update_num_microbatches(consumed, consistency_check=False)
+        consumed += (get_num_microbatches() * args.micro_batch_size * parallel_state.get_data_parallel_world_size())
+        iterations += 1
+    update_num_microbatches(0, consistency_check=False)
+    return iterations
+
+
+def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_or_decoder, *, args=None,
+                              true_vocab_size: Optional[int] = None, beacon: Optional[ProgressBeacon] = None):
+    """(model, optimizer, scheduler), with --load applied: sets args.iteration,
+    the consumed samples and args.num_floating_point_operations_so_far."""
+    args = args or get_args()
+    if args.train_iters is None:
+        args.train_iters = _iterations_for_samples(args)
+        print_rank_0(f"setting training iterations to {args.train_iters}")
+    model = get_model(model_provider_func, model_type, args=args)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
+        fp16=args.fp16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, log_num_zeros_in_grad=args.log_num_zeros_in_grad), model)
+    opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args)
+    args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
+    args.consumed_train_samples = args.consumed_valid_samples = 0
+    if args.load:
+        if beacon is not None:
+            beacon.mark("checkpoint load")
+        args.iteration, args.num_floating_point_operations_so_far, loaded = load_training_checkpoint(
+            args, model, optimizer, opt_param_scheduler, true_vocab_size=true_vocab_size)
+        if loaded.get("missing"):
+            print_rank_last(f"> WARNING: {loaded['missing']}: training from scratch")
+        else:
+            print_rank_last(f"> loaded checkpoint from {args.load} at iteration {loaded['iteration']}"
+                            + ("" if loaded["rng_restored"] else " (RNG states not restored: other layout)"))
+    update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
+    return model, optimizer, opt_param_scheduler
+
+
+# ---------------------------------------------------------------------- the loop
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+               forward_backward_func, iteration: Optional[int] = None, beacon: Optional[ProgressBeacon] = None):
+    """One iteration (`iteration` iterations are done before it). Returns
+    (loss dict of floats, skipped_iter, grad_norm, num_zeros_in_grad)."""
+    args = get_args()
+    mark = beacon.mark if beacon is not None else (lambda phase: None)
+    current = (iteration or 0) + 1
+    mark(f"iteration {current}: forward/backward")
+    for chunk in model:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    num_microbatches = get_num_microbatches()
+    reports = forward_backward_func(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        forward_only=False)
+    # This rank's own loss: the NaN check names the ranks whose loss is bad.
+    local = torch.stack([r[key].detach().float().view(-1)[0] for r in reports for key in r])
+    if args.check_for_nan_in_loss_and_grad:
+        mark(f"iteration {current}: gradient checks")
+        # With fp16 an overflowing gradient is the loss scaler's business: it skips the step.
+        grads = None if args.fp16 else [p.grad for chunk in model for p in chunk.parameters() if p.grad is not None]
+        check_for_nan_in_loss_and_grad(current, local.sum(), grads)
+    mark(f"iteration {current}: optimizer step")
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    if update_successful:
+        opt_param_scheduler.step(increment=num_microbatches * args.micro_batch_size
+                                 * parallel_state.get_data_parallel_world_size())
+    mark(f"iteration {current}: loss all-reduce")
+    return _reduce_losses(reports), int(not update_successful), grad_norm, num_zeros_in_grad
+
+
+def _reduce_losses(reports: list[dict]) -> dict[str, float]:
+    """Megatron's reduction of the loss reports: [sum, tokens] pairs summed
+    over microbatches and data-parallel ranks, single values averaged over microbatches."""
+    reduced = {}
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for key in reports[0]:
+        values = [r[key].detach().float().view(-1) for r in reports]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0).to(parallel_state.get_device())
+            torch.distributed.all_reduce(total, group=group)
+            reduced[key] = (total[0] / total[1]).item()
+        else:
+            reduced[key] = torch.cat(values).mean().item()
+    return reduced
+
+
+def _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size) -> None:
+    path = save_training_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
+    print_rank_last(f"> saved checkpoint {path}")
+
+
+def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration: int, flops: float, *, args,
+                               signal_handler, train_start: float, true_vocab_size=None) -> Optional[str]:
+    """Save at --save-interval; decide (alike on every rank) whether to stop,
+    saving first. Returns why the job stops, or None."""
+    saved = False
+
+    def save():
+        nonlocal saved
+        if args.save and not saved:
+            _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
+            saved = True
+
+    if signal_handler is not None and any(signal_handler.signals_received()):
+        save()
+        return "a rank received SIGTERM (--exit-signal-handler)"
+    if args.save_interval and iteration % args.save_interval == 0:
+        save()
+    if args.exit_duration_in_mins:
+        over = torch.tensor([int(time.time() - train_start > 60 * args.exit_duration_in_mins)],
+                            device=parallel_state.get_device())
+        torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
+        if over.item():
+            save()
+            return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        save()
+        return f"--exit-interval {args.exit_interval}"
+    return None
+
+
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
+          config, *, args, logger: TrainingLogger, beacon: ProgressBeacon, train_start: float,
+          true_vocab_size: Optional[int] = None):
+    """The training loop from args.iteration to args.train_iters. Returns
+    (iteration, FLOPs so far, why it stopped early or None)."""
+    for chunk in model:
+        chunk.train()
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync if hasattr(model[0], "no_sync") else None
+    forward_backward_func = get_forward_backward_func()
+    iteration = start_iteration = args.iteration
+    flops = args.num_floating_point_operations_so_far
+    num_microbatches = get_num_microbatches()
+    dp = parallel_state.get_data_parallel_world_size()
+    exit_reason = None
+    handler = DistributedSignalHandler() if args.exit_signal_handler else contextlib.nullcontext()
+    with handler as signal_handler:
+        while iteration < args.train_iters:
+            update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
+            if get_num_microbatches() != num_microbatches and iteration != 0 and args.save:
+                # As Megatron: a checkpoint at every batch-size change of a ramp-up.
+                _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
+            num_microbatches = get_num_microbatches()
+            update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
+
+            loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+                forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config,
+                forward_backward_func, iteration=iteration, beacon=beacon)
+            iteration += 1
+            batch_size = dp * args.micro_batch_size * num_microbatches
+            args.consumed_train_samples += batch_size
+            flops += num_floating_point_operations(args, batch_size)
+            beacon.mark(f"iteration {iteration}: logging, evaluation, checkpoint and exit checks")
+            logger.training_log(loss_dict, optimizer.param_groups[0]["lr"], iteration,
+                                float(optimizer.get_loss_scale().item()), skipped_iter, grad_norm,
+                                calc_params_l2_norm(model) if args.log_params_norm else None, num_zeros, batch_size)
+            if iteration == start_iteration + 1:
+                report_memory(f"(after {iteration} iterations)")
+            if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+                paused = logger.pause()
+                evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                           iteration, config, args, logger=logger, train_start=train_start)
+                logger.resume(paused)
+            exit_reason = checkpoint_and_decide_exit(
+                model, optimizer, opt_param_scheduler, iteration, flops, args=args, signal_handler=signal_handler,
+                train_start=train_start, true_vocab_size=true_vocab_size)
+            if exit_reason:
+                print_rank_last(f"> exiting after iteration {iteration}: {exit_reason}")
+                break
+    return iteration, flops, exit_reason

@@ -1,0 +1,127 @@
+"""megatron_fsdp.training.pretrain through examples/pretrain_gpt.py, as a user runs it:
+TensorBoard scalars with Megatron's names, TFLOP/s equal to Megatron's formula,
+and a resume at another data-parallel size that continues with the same samples."""
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96", "--seq-length", "16",
+         "--position-embedding-type", "rope", "--hidden-dropout", "0", "--attention-dropout", "0"]
+RUN = ["--use-torch-fsdp2", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
+       "--train-iters", "6", "--mock-data", "--vocab-size", "64", "--log-interval", "1", "--log-throughput",
+       "--eval-interval", "3", "--eval-iters", "1", "--num-workers", "0", "--seed", "5"]
+LINE = re.compile(r"iteration\s+(\d+)/\s+\d+ \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): "
+                  r"([\d.]+) \| throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \| throughput per GPU "
+                  r"\(tokens/s/GPU\): ([\d.]+) \|.*\| lm loss: ([\d.E+-]+) \|")
+HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
+
+
+def _pretrain(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def _flops_per_iteration(batch=8, s=16, layers=2, h=48, f=96, heads=4, groups=2, vocab=256):
+    """Megatron-LM's dense-GPT count for MODEL (SwiGLU, GQA, causal), vocabulary 64 padded to a multiple of 128 x TP 2."""
+    kv_channels = h // heads
+    q, kv = kv_channels * heads, kv_channels * groups
+    per_token_layer = 3 * 2 * h * f + 2 * h * q + 2 * 2 * h * kv + 2 * q * h + 2 * s * q
+    return 3 * batch * s * (layers * per_token_layer + 2 * h * vocab)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """4 ranks, TP=2 x FSDP=2, a checkpoint at iteration 3, TensorBoard when installed."""
+    tmp = tmp_path_factory.mktemp("run")
+    extra = ["--tensorboard-dir", str(tmp / "tb"), "--log-timers-to-tensorboard",
+             "--log-validation-ppl-to-tensorboard"] if HAVE_TENSORBOARD else []
+    proc = _pretrain(4, "--tensor-model-parallel-size", "2", "--save", str(tmp / "ckpt"), "--save-interval", "3",
+                     *extra)
+    rows = {int(m[1]): m for m in map(LINE.search, proc.stdout.splitlines()) if m}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6], proc.stdout[-3000:]
+    return tmp, rows, proc.stdout
+
+
+def test_log_line_throughput_is_megatrons_formula(reference):
+    _, rows, out = reference
+    for iteration, m in rows.items():
+        assert int(m[2]) == 8 * iteration  # consumed samples
+        seconds = float(m[3]) / 1000
+        # TFLOP/s is printed to 3 significant digits, the time to 0.1 ms.
+        assert float(m[4]) == pytest.approx(_flops_per_iteration() / (seconds * 1e12 * 4), rel=6e-3)
+        assert float(m[5]) == pytest.approx(8 * 16 / (seconds * 4), rel=2e-3, abs=0.06)
+    assert re.search(r"validation loss at iteration 3 \| lm loss value: [\d.E+-]+ \| lm loss PPL: [\d.E+-]+ \|", out)
+    assert "validation loss at iteration 6 on test set | lm loss value: " in out
+    assert "(after 1 iterations) memory (MB)" in out
+
+
+@pytest.mark.skipif(not HAVE_TENSORBOARD, reason="tensorboard is not installed (pip install tensorboard)")
+def test_tensorboard_gets_megatrons_scalars(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, rows, _ = reference
+    events = EventAccumulator(str(tmp / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"learning-rate", "learning-rate vs samples", "batch-size", "batch-size vs samples", "lm loss",
+                "lm loss vs samples", "loss-scale", "loss-scale vs samples", "grad-norm", "grad-norm vs samples",
+                "iteration-time", "throughput", "lm loss validation", "lm loss validation vs samples",
+                "lm loss validation ppl", "lm loss validation ppl vs samples"}
+    assert expected <= tags, sorted(expected - tags)
+    losses = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    for step, m in rows.items():  # log interval 1: the line's mean is the iteration's loss
+        assert losses[step] == pytest.approx(float(m[6]), rel=1e-6)
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32, 40, 48]
+    # Full precision: throughput is exactly the formula over the logged iteration time.
+    times = {e.step: e.value for e in events.Scalars("iteration-time")}
+    for e in events.Scalars("throughput"):
+        assert e.value == pytest.approx(_flops_per_iteration() / (times[e.step] * 1e12 * 4), rel=1e-5)
+    validation = {e.step: e.value for e in events.Scalars("lm loss validation")}
+    ppl = {e.step: e.value for e in events.Scalars("lm loss validation ppl")}
+    assert sorted(validation) == [3, 6] and ppl[3] == pytest.approx(math.exp(validation[3]), rel=1e-5)
+
+
+def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference):
+    """Saved at iteration 3 by TP=2 x DP=2, resumed by TP=2 x DP=1 (twice the
+    microbatches): iterations 4-6 see the same global batches, so the losses
+    agree to reduction-order precision."""
+    tmp, rows, _ = reference
+    with open(tmp / "ckpt" / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("3\n")  # as if the run had stopped after iteration 3
+    resumed = _pretrain(2, "--tensor-model-parallel-size", "2", "--load", str(tmp / "ckpt"),
+                        "--eval-iters", "0")
+    out = resumed.stdout
+    assert "loaded checkpoint" in out and "at iteration 3" in out
+    got = {int(m[1]): m for m in map(LINE.search, out.splitlines()) if m}
+    assert sorted(got) == [4, 5, 6]
+    for iteration in (4, 5, 6):
+        assert got[iteration][2] == rows[iteration][2]  # consumed samples continue from the checkpoint
+        assert float(got[iteration][6]) == pytest.approx(float(rows[iteration][6]), rel=2e-5)
+
+
+def test_fp8_training_resumes_exactly(tmp_path):
+    """--fp8-format with delayed scaling and fp8 all-gather: a run resumed
+    from its iteration-2 checkpoint (amax histories restored, weight scales
+    recomputed from the loaded weights) repeats the uninterrupted losses."""
+    fp8 = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
+           "--fp8-param-gather", "--train-iters", "4", "--eval-iters", "0"]
+    ckpt = str(tmp_path / "ckpt")
+    first = _pretrain(2, *fp8, "--save", ckpt, "--save-interval", "2")
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2\n")
+    resumed = _pretrain(2, *fp8, "--load", ckpt)
+    losses = [{int(m[1]): m[6] for m in map(LINE.search, proc.stdout.splitlines()) if m} for proc in (first, resumed)]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and sorted(losses[1]) == [3, 4]
+    assert losses[1] == {k: v for k, v in losses[0].items() if k > 2}
