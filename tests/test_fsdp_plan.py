@@ -195,3 +195,22 @@ def test_ddp_config_accepts_fp8_param_gather_with_true_or_false_resharding():
         TorchFullyShardedDataParallelConfig(fp8_param_gather=True, reshard_after_forward=2)
     with pytest.raises(ValueError, match="fp8_param_gather must be True or False, got 'yes'"):
         DistributedDataParallelConfig(fp8_param_gather="yes")
+
+
+def _case_fp8_scales_follow_load_state_dict():
+    """New weight values through the wrapper's load_state_dict get new fp8
+    all-gather scales: max(e4m3) / the full weight's amax."""
+    setup_parallel(2)
+    cfg = make_config(hidden_size=64, ffn_hidden_size=128, fp8="e4m3", bf16=True, sequence_parallel=True)
+    wrapped = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(fp8_param_gather=True),
+                                            GPTModel(cfg, vocab_size=64, max_sequence_length=SEQ))
+    full = {name: (p.full_tensor() * 7.0).cpu() for name, p in wrapped.module.named_parameters()}
+    wrapped.load_state_dict(full)
+    fc1 = wrapped.module.decoder.layers[0].mlp.linear_fc1.weight
+    expected = torch.finfo(torch.float8_e4m3fn).max / full["decoder.layers.0.mlp.linear_fc1.weight"].abs().max().double()
+    return float(fc1.to_local()._fp8_meta.scale), float(expected)
+
+
+def test_fp8_scales_follow_load_state_dict(pools):
+    for scale, expected in pools(4).run(_case_fp8_scales_follow_load_state_dict):
+        assert scale == pytest.approx(expected, rel=1e-6)

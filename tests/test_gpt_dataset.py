@@ -232,6 +232,25 @@ def test_bad_prefix_fails_on_every_rank_without_hanging(pools, tmp_path):
     assert all(e.type_name == "FileNotFoundError" and "absent" in e.message for e in errors)
 
 
+def _case_rank0_only_failure(prefix, cache):
+    # Rank 0 alone writes the index cache: a cache path that is a file fails there only.
+    config = _config(blend=([prefix], None), split="90,10,0",
+                     path_to_cache=cache if torch.distributed.get_rank() == 0 else None)
+    BlendedMegatronDatasetBuilder(GPTDataset, [40, 8, 0], lambda: True, config).build()
+
+
+def test_a_failure_on_rank0_alone_is_raised_on_every_rank(pools, corpus, tmp_path):
+    prefix, _ = corpus
+    not_a_directory = tmp_path / "cache"
+    not_a_directory.write_text("a file where the cache directory should be")
+    errors = pools(2).run_expecting_errors(_case_rank0_only_failure, prefix, str(not_a_directory), timeout=60)
+    by_rank = {e.rank: e for e in errors}
+    assert sorted(by_rank) == [0, 1]
+    assert str(not_a_directory) in by_rank[0].message
+    assert by_rank[1].type_name == "RuntimeError" and "failed on rank 0" in by_rank[1].message
+    assert str(not_a_directory) in by_rank[1].message
+
+
 def _digest(ds):
     acc = 0
     for i in range(len(ds)):

@@ -124,6 +124,8 @@ def test_partitions_merge_in_partition_order(tmp_path, sequential):
         assert two[0] == one[0][0::2] + one[0][1::2]
     # Megatron names partition files after --input (glob characters included) and keeps them.
     assert os.path.exists(tmp_path / "in*_0.jsonl") and os.path.exists(tmp_path / "two_1_text_document.idx")
+    # Everything is written under a temporary name and renamed into place: nothing temporary is left.
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp" in p.name]
 
 
 @pytest.mark.parametrize("records,flags,match", [

@@ -111,6 +111,21 @@ def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference):
         assert float(got[iteration][6]) == pytest.approx(float(rows[iteration][6]), rel=2e-5)
 
 
+def test_resume_with_other_model_flags_is_refused_before_loading(reference):
+    """A different --hidden-size changes the weights' shapes: the error names the flag (from the
+    checkpoint's recorded flags), not a shape mismatch deep in the loader, on every rank."""
+    tmp, _, _ = reference
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN,
+                           "--hidden-size", "64", "--load", str(tmp / "ckpt"), "--eval-iters", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert any(line.startswith(f"[rank{rank}]:") and "saved with other model flags: --hidden-size 48 (now 64)"
+                   in line for line in output.splitlines()), output[-3000:]
+
+
 def test_fp8_training_resumes_exactly(tmp_path):
     """--fp8-format with delayed scaling and fp8 all-gather: a run resumed
     from its iteration-2 checkpoint (amax histories restored, weight scales
@@ -125,3 +140,32 @@ def test_fp8_training_resumes_exactly(tmp_path):
     losses = [{int(m[1]): m[6] for m in map(LINE.search, proc.stdout.splitlines()) if m} for proc in (first, resumed)]
     assert sorted(losses[0]) == [1, 2, 3, 4] and sorted(losses[1]) == [3, 4]
     assert losses[1] == {k: v for k, v in losses[0].items() if k > 2}
+
+
+def test_token_ids_beyond_the_vocabulary_stop_every_rank_before_training(tmp_path):
+    """Data tokenized with a larger vocabulary than --vocab-size: one clear error naming the
+    file, on every rank, before the first iteration."""
+    import numpy
+    import torch
+
+    from megatron_fsdp.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(64):
+        builder.add_item(torch.randint(0, 100, (40,), generator=g))  # ids up to 99
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2", "--data-path", prefix,
+         "--split", "80,10,10", "--vocab-size", "50", "--eval-iters", "1", "--data-cache-path",
+         str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "iteration        1/" not in output
+    for rank in (0, 1):
+        errors = [line for line in output.splitlines() if line.startswith(f"[rank{rank}]: ValueError")]
+        assert errors and "corpus_text_document" in errors[0] and "50" in errors[0], output[-3000:]

@@ -326,3 +326,15 @@ def test_learning_rate_schedule_counts_samples_like_megatron(flags, decay_steps,
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = get_optimizer_param_scheduler(optimizer, args)
     assert (scheduler.lr_decay_steps, scheduler.lr_warmup_steps) == (decay_steps, warmup_steps)
+
+
+@pytest.mark.parametrize("samples, global_batch, iterations", [(100, 16, 6), (96, 16, 6), (15, 16, 0)])
+def test_train_samples_count_whole_global_batches_as_megatron(samples, global_batch, iterations):
+    """Megatron-LM 0.19's update_train_iters: train_samples // global_batch_size; a partial last
+    batch would run past a dataset built for exactly train_samples samples."""
+    from types import SimpleNamespace
+
+    from megatron_fsdp.training.training import _iterations_for_samples
+
+    args = SimpleNamespace(train_samples=samples, global_batch_size=global_batch)
+    assert _iterations_for_samples(args) == iterations

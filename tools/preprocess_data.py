@@ -148,8 +148,9 @@ def _encode_partition(args, input_path: str, output_prefix: str, workers: int, l
     dtype = indexed_dataset.DType.optimal_dtype(tokenizer.vocab_size)
     encoder = Encoder(args)
     prefixes = {key: f"{output_prefix}_{key}_{level}" for key in args.json_keys}
+    temporary = {key: _temporary(p) for key, p in prefixes.items()}
     builders = {key: indexed_dataset.IndexedDatasetBuilder(indexed_dataset.get_bin_path(p), dtype=dtype)
-                for key, p in prefixes.items()}
+                for key, p in temporary.items()}
     print(f"Opening {input_path}", file=sys.stderr, flush=True)
     with _open_text(input_path) as fin:
         pool = None
@@ -176,7 +177,7 @@ def _encode_partition(args, input_path: str, output_prefix: str, workers: int, l
                 if count % args.log_interval == 0:
                     _report(count, total_bytes, start)
         except BaseException:
-            for key, prefix in prefixes.items():  # no half-written .bin left behind
+            for key, prefix in temporary.items():  # no half-written .bin left behind
                 builders[key].data_file.close()
                 os.unlink(indexed_dataset.get_bin_path(prefix))
             raise
@@ -185,12 +186,28 @@ def _encode_partition(args, input_path: str, output_prefix: str, workers: int, l
                 pool.terminate()
                 pool.join()
     for key, prefix in prefixes.items():
-        builders[key].finalize(indexed_dataset.get_idx_path(prefix))
+        builders[key].finalize(indexed_dataset.get_idx_path(temporary[key]))
+        _publish(temporary[key], prefix)
     elapsed = max(time.time() - start, 1e-9)
     print(f"Done {input_path}: {count} documents, {total_tokens} tokens in {elapsed:.2f} s "
           f"({count / elapsed:.2f} docs/s, {total_bytes / elapsed / 1024 / 1024:.2f} MB/s).",
           file=sys.stderr, flush=True)
     return prefixes
+
+
+def _temporary(prefix: str) -> str:
+    return f"{prefix}.tmp{os.getpid()}"
+
+
+def _publish(temporary: str, prefix: str) -> None:
+    """Move a finished .bin/.idx pair into place. The old .idx goes first and the new one comes
+    last, so a run killed at any point leaves a matching pair or no .idx at all (which readers
+    report as missing), never a new .bin beside an old .idx."""
+    idx, bin_ = indexed_dataset.get_idx_path(prefix), indexed_dataset.get_bin_path(prefix)
+    if os.path.exists(idx):
+        os.unlink(idx)
+    os.replace(indexed_dataset.get_bin_path(temporary), bin_)
+    os.replace(indexed_dataset.get_idx_path(temporary), idx)
 
 
 def _report(count: int, total_bytes: int, start: float) -> None:
@@ -217,7 +234,9 @@ def _write_partitions(args, inputs: List[str]) -> List[Tuple[str, str]]:
             with _open_text(path) as f:
                 total += sum(1 for _ in f)
         partition_size = max(1, math.ceil(total / args.partitions))
-    outs = [open(p, "w", encoding="utf-8") for p, _ in names]
+    # Each partition is renamed into place only once all are written: the reuse check above
+    # never sees a partition a killed run left half-written.
+    outs = [open(f"{p}.tmp{os.getpid()}", "w", encoding="utf-8") for p, _ in names]
     try:
         index = line_count = 0
         for path in inputs:
@@ -229,9 +248,14 @@ def _write_partitions(args, inputs: List[str]) -> List[Tuple[str, str]]:
                         index = min(line_count // partition_size, args.partitions - 1)
                     else:
                         index = (index + 1) % args.partitions
-    finally:
+    except BaseException:
         for f in outs:
             f.close()
+            os.unlink(f.name)
+        raise
+    for f, (p, _) in zip(outs, names):
+        f.close()
+        os.replace(f.name, p)
     return names
 
 
@@ -308,10 +332,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     dtype = indexed_dataset.DType.optimal_dtype(tokenizer.vocab_size)
     for key in args.json_keys:
         prefix = f"{args.output_prefix}_{key}_{level}"
-        builder = indexed_dataset.IndexedDatasetBuilder(indexed_dataset.get_bin_path(prefix), dtype=dtype)
+        builder = indexed_dataset.IndexedDatasetBuilder(indexed_dataset.get_bin_path(_temporary(prefix)), dtype=dtype)
         for _, out in names:
             builder.add_index(f"{out}_{key}_{level}")
-        builder.finalize(indexed_dataset.get_idx_path(prefix))
+        builder.finalize(indexed_dataset.get_idx_path(_temporary(prefix)))
+        _publish(_temporary(prefix), prefix)
         print(f"Merged {len(names)} partitions into {prefix}.bin/.idx", file=sys.stderr, flush=True)
 
 

@@ -1,8 +1,9 @@
 """`BlendedMegatronDatasetBuilder`: train/valid/test datasets from `--data-path` + `--split` or per-split paths.
 
 Distributed: call `build()` on every rank. Rank 0 builds each dataset first (writing the index
-caches) while the others wait at a barrier, then the others build and read the caches; ranks
-where `is_built_on_rank()` is False get None (Megatron's tensor-parallel ranks > 0, say).
+caches) while the others wait (an error on rank 0 is raised on every rank), then the others build
+and read the caches; ranks where `is_built_on_rank()` is False get None (Megatron's
+tensor-parallel ranks > 0, say).
 """
 
 from __future__ import annotations
@@ -196,12 +197,7 @@ class BlendedMegatronDatasetBuilder:
 
         threads = self.config.num_dataset_builder_threads
         if _distributed():
-            rank = torch.distributed.get_rank()
-            if rank == 0:
-                build_all(threads)
-            torch.distributed.barrier()
-            if rank != 0:
-                build_all(threads)
+            _rank0_first(lambda: build_all(threads))
         else:
             build_all(threads)
         return megatron_datasets
@@ -212,7 +208,7 @@ class BlendedMegatronDatasetBuilder:
         if _distributed() and not self.is_built_on_rank():
             for i in range(len(Split)):
                 if split[i] is not None and synchronize_ranks:
-                    torch.distributed.barrier()
+                    _rank0_first(lambda: None)  # the collective the building ranks run
             return [None] * len(Split)
 
         low_level_dataset = self.cls.build_low_level_dataset(dataset_path, self.config)
@@ -235,18 +231,33 @@ class BlendedMegatronDatasetBuilder:
     @staticmethod
     def build_generic_dataset(cls: Union[Type[DistributedDataset], Callable], is_built_on_rank: Callable,
                               synchronize_ranks: bool, *args: Any) -> Optional[Union[DistributedDataset, Iterable]]:
-        """`cls(*args)`: on rank 0 first, then (after a barrier) on the other ranks that build."""
+        """`cls(*args)`: on rank 0 first, then on the other ranks that build (see _rank0_first)."""
         if not _distributed():
             return cls(*args)
-        rank = torch.distributed.get_rank()
-        dataset = None
-        if rank == 0 and is_built_on_rank():
-            dataset = cls(*args)
+        build = (lambda: cls(*args)) if is_built_on_rank() else (lambda: None)
         if synchronize_ranks:
-            torch.distributed.barrier()
-        if rank != 0 and is_built_on_rank():
-            dataset = cls(*args)
-        return dataset
+            return _rank0_first(build)
+        return build()
+
+
+def _rank0_first(build: Callable[[], Any]) -> Any:
+    """`build()` on rank 0 (which writes the index caches), then on the other ranks (which
+    read them). A failure on rank 0 is raised on every rank: the others would otherwise wait
+    for it in a barrier until the distributed timeout."""
+    rank = torch.distributed.get_rank()
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = build()
+        except Exception as exc:  # re-raised below, after the others have heard of it
+            error = exc
+    status = [None if error is None else f"{type(error).__name__}: {error}"]
+    torch.distributed.broadcast_object_list(status, src=0)
+    if error is not None:
+        raise error
+    if status[0] is not None:
+        raise RuntimeError(f"building the datasets failed on rank 0: {status[0]}")
+    return build() if rank != 0 else result
 
 
 def _split_bounds(bookends, num_elements: int):

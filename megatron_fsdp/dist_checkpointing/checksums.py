@@ -67,8 +67,6 @@ def checksum_of(data) -> dict:
     return {algorithm: _function(algorithm)(data, 0), "size": memoryview(data).nbytes}
 
 
-crc32_of = checksum_of  # the name training/checkpointing.py still calls
-
 
 def entry_algorithm(entry: dict) -> str:
     found = [a for a in ALGORITHMS if a in entry]

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .. import parallel_state
+from ..fp8 import refresh_fp8_scales
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .fsdp_plan import apply_fsdp_plan, plan_fsdp
@@ -180,6 +181,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
             src = dist.get_global_rank(self.process_group, 0)
             for b in self.module.buffers():
                 dist.broadcast(b, src=src, group=self.process_group)
+        self._refresh_fp8_scales()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load into the sharded parameters in place: values may be DTensors
@@ -188,5 +190,12 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
 
         full = not any(isinstance(v, DTensor) for v in state_dict.values())
         # A copy: torch replaces full tensors in the dict it is given by their shards.
-        return set_model_state_dict(self.module, dict(state_dict),
-                                    options=StateDictOptions(full_state_dict=full, strict=strict))
+        result = set_model_state_dict(self.module, dict(state_dict),
+                                      options=StateDictOptions(full_state_dict=full, strict=strict))
+        self._refresh_fp8_scales()
+        return result
+
+    def _refresh_fp8_scales(self) -> None:
+        """New weight values need new fp8 all-gather scales (a collective)."""
+        if self.ddp_config.fp8_param_gather:
+            refresh_fp8_scales(self.module)

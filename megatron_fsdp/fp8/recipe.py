@@ -90,11 +90,12 @@ def check_fp8_config(config) -> None:
     where = type(config).__name__
     if config.fp8 is not None and config.fp8 not in FORMATS:
         raise ValueError(f"fp8 (--fp8-format) must be one of {FORMATS} or None, got {config.fp8!r}")
-    if config.fp8_recipe in _TE_ONLY_RECIPES:
+    # As in Megatron, the recipe matters (and is checked) only with fp8 on.
+    if config.fp8 is not None and config.fp8_recipe in _TE_ONLY_RECIPES:
         raise NotImplementedError(
             f"{where}: fp8_recipe={config.fp8_recipe!r} is not supported by megatron_fsdp "
             f"(supported: {RECIPES}); it needs Transformer Engine's kernels")
-    if config.fp8_recipe not in RECIPES:
+    if config.fp8 is not None and config.fp8_recipe not in RECIPES:
         raise ValueError(f"fp8_recipe must be one of {RECIPES}, got {config.fp8_recipe!r}")
     _int("fp8_margin", config.fp8_margin)
     _int("fp8_amax_history_len", config.fp8_amax_history_len, minimum=1)

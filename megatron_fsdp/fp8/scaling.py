@@ -102,6 +102,11 @@ class AmaxHistory:
     def update(self, amax: torch.Tensor) -> None:
         """Fold the reduced amax of the last step into the history and the scale."""
         self._materialize(amax.device)
+        if not torch.isfinite(amax).all():
+            # An overflowing step (fp16 skips it): an inf kept in the history
+            # would freeze the scale for history_len steps ("max") and reach checkpoints.
+            self.pending.zero_()
+            return
         self.amax_history.copy_(torch.roll(self.amax_history, 1))
         self.amax_history[0] = amax
         chosen = self.amax_history[0] if self.compute_algo == "most_recent" else self.amax_history.max()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 import sys
 import warnings
@@ -406,12 +405,6 @@ def _validate_fp8(parser, args) -> None:
             if not 0 <= getattr(args, name) <= args.num_layers:
                 parser.error(f"--{name.replace('_', '-')} must be in [0, --num-layers {args.num_layers}], got "
                              f"{getattr(args, name)}")
-
-
-def vocab_size_with_padding(orig_vocab_size: int, args) -> int:
-    """Megatron's padded vocabulary: a multiple of --make-vocab-size-divisible-by x TP."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return int(math.ceil(orig_vocab_size / multiple) * multiple)
 
 
 def core_transformer_config_from_args(args, config_class=None):

@@ -40,7 +40,7 @@ import logging
 import os
 import random
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -321,7 +321,8 @@ def _grad_scaler_to_load(path: str, common: dict, optimizer, load_optim: bool) -
 def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, load_dir: str = None, *,
                     iteration: Optional[int] = None, load_optim: bool = True, load_rng: bool = True,
                     true_vocab_size: Optional[int] = None, verify: bool = True,
-                    exit_on_missing_checkpoint: bool = False) -> dict:
+                    exit_on_missing_checkpoint: bool = False,
+                    check_extra_state: Optional[Callable[[dict], None]] = None) -> dict:
     """Load the latest checkpoint (or `iteration`) from `load_dir` into the
     model, optimizer and scheduler, resharding to the current layout. Every
     rank must call this.
@@ -334,6 +335,8 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     size); the padding rows are zero-filled. Without it on both sides the
     shapes must match exactly. `verify=False`
     (--no-verify-checkpoint) skips the checksum verification.
+    `check_extra_state(extra_state)` may raise CheckpointError to refuse
+    the checkpoint before any shard is read (the training flags, say).
 
     Returns {"iteration", "extra_state", "rng_restored", "path", "missing"}.
     When `load_dir` is missing, empty, or a file, that is iteration 0 with
@@ -358,6 +361,8 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(core.rank()))
     try:
         common, saved = _read_common(path, optimizer, opt_param_scheduler, load_optim)
+        if check_extra_state is not None:
+            check_extra_state(common["extra_state"])
         scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
         state, rows = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
                                              common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
@@ -417,21 +422,25 @@ def load_training_checkpoint(args, model, optimizer, opt_param_scheduler,
     args.consumed_valid_samples. Returns (iteration, FLOPs so far, what
     load_checkpoint returned); (0, 0.0, ...) for a fresh start."""
     model = model[0] if isinstance(model, list) else model
+
+    def same_architecture(extra: dict) -> None:
+        saved_args = extra.get("args") or {}
+        differing = {name: (saved_args[name], getattr(args, name, None)) for name in _ARCHITECTURE_ARGS
+                     if name in saved_args and saved_args[name] != getattr(args, name, None)}
+        if differing:
+            raise CheckpointError(f"checkpoint in {args.load} was saved with other model flags: "
+                                  + ", ".join(f"--{k.replace('_', '-')} {v[0]!r} (now {v[1]!r})"
+                                              for k, v in differing.items()))
+
     loaded = load_checkpoint(model, optimizer, opt_param_scheduler, args.load,
                              load_optim=not (args.no_load_optim or args.finetune),
                              load_rng=not (args.no_load_rng or args.finetune),
                              true_vocab_size=true_vocab_size, verify=not args.no_verify_checkpoint,
-                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint)
+                             exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+                             check_extra_state=same_architecture)
     if loaded.get("missing"):
         return 0, 0.0, loaded
     extra = loaded["extra_state"]
-    saved_args = extra.get("args") or {}
-    differing = {name: (saved_args[name], getattr(args, name, None)) for name in _ARCHITECTURE_ARGS
-                 if name in saved_args and saved_args[name] != getattr(args, name, None)}
-    if differing:
-        raise CheckpointError(f"checkpoint {loaded['path']} was saved with other model flags: "
-                              + ", ".join(f"--{k.replace('_', '-')} {v[0]!r} (now {v[1]!r})"
-                                          for k, v in differing.items()))
     if args.finetune:
         return 0, 0.0, loaded
     args.consumed_train_samples = int(extra.get("consumed_train_samples", 0))

@@ -10,7 +10,9 @@ data-parallel rank's micro-batches.
 from __future__ import annotations
 
 
+from ..datasets.vocab_check import check_token_ids_within_vocab
 from .datasets import build_pretraining_data_loader
+from .global_vars import get_tokenizer
 from .utils import print_rank_0
 
 
@@ -41,6 +43,8 @@ def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provid
     print_rank_0(f"    validation: {num_samples[1]}")
     print_rank_0(f"    test:       {num_samples[2]}")
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets_provider(num_samples)
+    # Every rank reads the files itself, so a bad id fails every rank alike, before training.
+    check_token_ids_within_vocab((train_ds, valid_ds, test_ds), get_tokenizer().vocab_size, args.data_cache_path)
     train_loader = None if args.skip_train or train_ds is None else build_pretraining_data_loader(
         train_ds, args.consumed_train_samples, args=args)
     valid_loader = None if valid_ds is None else build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args=args)

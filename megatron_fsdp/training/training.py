@@ -40,7 +40,7 @@ from ..optimizer_param_scheduler import OptimizerParamScheduler
 from ..pipeline_parallel import get_forward_backward_func
 from ..tensor_parallel.utils import local_tensor
 from ..utils import get_model_config, reject_unsupported
-from .arguments import parse_args, vocab_size_with_padding
+from .arguments import parse_args
 from .checkpointing import load_training_checkpoint, save_training_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators
 from .dist_signal_handler import DistributedSignalHandler
@@ -51,7 +51,7 @@ from .initialize import distributed_job, initialize_distributed, initialize_mega
 from .nan_check import check_for_nan_in_loss_and_grad
 from .progress import CollectiveTimeoutError, ProgressBeacon, is_timeout
 from .training_log import TrainingLogger, build_tensorboard_writer, build_wandb_writer
-from .tokenizer import build_tokenizer
+from .tokenizer import build_tokenizer, vocab_size_with_padding
 from .utils import calc_params_l2_norm, print_rank_0, print_rank_last, report_memory
 
 __all__ = ["evaluate", "evaluate_and_print_results", "get_model", "num_floating_point_operations", "pretrain",
@@ -200,14 +200,9 @@ def get_optimizer_param_scheduler(optimizer, args=None) -> OptimizerParamSchedul
 
 
 def _iterations_for_samples(args) -> int:
-    """--train-samples as iterations, stepping through the batch-size ramp-up (Megatron's update_train_iters)."""
-    iterations, consumed = 0, 0
-    while consumed < args.train_samples:
-        update_num_microbatches(consumed, consistency_check=False)
-        consumed += (get_num_microbatches() * args.micro_batch_size * parallel_state.get_data_parallel_world_size())
-        iterations += 1
-    update_num_microbatches(0, consistency_check=False)
-    return iterations
+    """--train-samples as iterations, as Megatron-LM 0.19's update_train_iters: whole global
+    batches (a partial last batch is not run; the batch-size ramp-up does not change the count)."""
+    return args.train_samples // args.global_batch_size
 
 
 def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_or_decoder, *, args=None,
@@ -351,7 +346,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
             if get_num_microbatches() != num_microbatches and iteration != 0 and args.save:
                 # As Megatron: a checkpoint at every batch-size change of a ramp-up.
+                paused = logger.pause()
                 _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
+                logger.resume(paused)
             num_microbatches = get_num_microbatches()
             update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
 
@@ -373,9 +370,11 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
                                            iteration, config, args, logger=logger, train_start=train_start)
                 logger.resume(paused)
+            paused = logger.pause()  # as Megatron: checkpoint time is not training time
             exit_reason = checkpoint_and_decide_exit(
                 model, optimizer, opt_param_scheduler, iteration, flops, args=args, signal_handler=signal_handler,
                 train_start=train_start, true_vocab_size=true_vocab_size)
+            logger.resume(paused)
             if exit_reason:
                 print_rank_last(f"> exiting after iteration {iteration}: {exit_reason}")
                 break
