@@ -191,7 +191,8 @@ def test_ddp_config_accepts_fp8_param_gather_with_true_or_false_resharding():
     for reshard in (True, False):
         assert TorchFullyShardedDataParallelConfig(fp8_param_gather=True, reshard_after_forward=reshard).fp8_param_gather
     assert DistributedDataParallelConfig(fp8_param_gather=True).fp8_param_gather
-    with pytest.raises(ValueError, match="reshard_after_forward=2 cannot be combined with fp8_param_gather=True"):
+    with pytest.raises(NotImplementedError,
+                       match="fp8_param_gather=True with reshard_after_forward=2 is not supported"):
         TorchFullyShardedDataParallelConfig(fp8_param_gather=True, reshard_after_forward=2)
     with pytest.raises(ValueError, match="fp8_param_gather must be True or False, got 'yes'"):
         DistributedDataParallelConfig(fp8_param_gather="yes")

@@ -245,6 +245,8 @@ def _parse(*flags, world_size="1"):
     (["--train-iters", "4", "--fp8-recipe", "tensorwise"], "--fp8-recipe need --fp8-format"),
     (["--train-iters", "4", "--data-path", "x"], "exactly one data source"),
     (["--train-iters", "4", "--log-timers-to-tensorboard"], "needs --tensorboard-dir or --wandb-project"),
+    (["--train-iters", "4", "--fp8-format", "e4m3", "--fp8-amax-history-len", "0"],
+     "--fp8-amax-history-len must be >= 1, got 0"),
 ])
 def test_bad_flag_combinations_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -252,6 +254,13 @@ def test_bad_flag_combinations_are_one_line_errors(flags, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_negative_fp8_margin_reaches_the_config_as_the_api_allows():
+    from megatron_fsdp.training.arguments import core_transformer_config_from_args
+
+    args = _parse("--train-iters", "4", "--fp8-format", "e4m3", "--fp8-margin", "-1")
+    assert core_transformer_config_from_args(args, config_class=dict)["fp8_margin"] == -1
 
 
 def test_megatron_defaults_are_derived():

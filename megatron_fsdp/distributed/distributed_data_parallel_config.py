@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from ..fp8.convert import check_fp8_reshard
 from ..utils import reject_unsupported
 
 
@@ -123,10 +124,8 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             raise ValueError(
                 f"reshard_after_forward must be True, False or an int >= 2, got {value!r}"
             )
-        if self.fp8_param_gather and not isinstance(value, bool):
-            # FSDP2's all-gather extensions (the fp8 weight's hooks) cannot reshard to a smaller group.
-            raise ValueError(f"reshard_after_forward={value} cannot be combined with fp8_param_gather=True: "
-                             "use True or False")
+        if self.fp8_param_gather:
+            check_fp8_reshard(value)
         if not isinstance(self.accumulate_unsharded_grads_in_no_sync, bool):
             raise ValueError("accumulate_unsharded_grads_in_no_sync must be True or False, "
                              f"got {self.accumulate_unsharded_grads_in_no_sync!r}")

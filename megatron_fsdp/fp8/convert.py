@@ -42,6 +42,12 @@ def check_fp8_param_gather(config, ddp_config, reshard_after_forward) -> None:
     if getattr(config, "fp8", None) is None:
         raise ValueError("fp8_param_gather=True needs fp8 training: set TransformerConfig.fp8 "
                          "(--fp8-format) to 'e4m3' or 'hybrid'")
+    check_fp8_reshard(reshard_after_forward)
+
+
+def check_fp8_reshard(reshard_after_forward) -> None:
+    """The one check of fp8 all-gather against FSDP's resharding (the DDP config runs it when
+    built, the wrapper again for a config changed since)."""
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(
             f"fp8_param_gather=True with reshard_after_forward={reshard_after_forward!r} is not supported: "

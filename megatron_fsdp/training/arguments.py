@@ -397,9 +397,8 @@ def _validate_fp8(parser, args) -> None:
         return
     if args.fp8_param_gather and not args.use_torch_fsdp2:
         parser.error("--fp8-param-gather needs --use-torch-fsdp2")
-    if args.fp8_amax_history_len < 1 or args.fp8_margin < 0:
-        parser.error(f"--fp8-amax-history-len must be >= 1 and --fp8-margin >= 0, got "
-                     f"{args.fp8_amax_history_len} and {args.fp8_margin}")
+    if args.fp8_amax_history_len < 1:  # the same rule as TransformerConfig's (a negative margin is allowed)
+        parser.error(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
     if args.first_last_layers_bf16:
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             if not 0 <= getattr(args, name) <= args.num_layers:
