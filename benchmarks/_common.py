@@ -61,6 +61,20 @@ def build_gpt(args, config: TransformerConfig) -> GPTModel:
     return GPTModel(config, vocab_size=args.vocab, max_sequence_length=args.seq)
 
 
+def require_our_kernels_on(device: torch.device) -> None:
+    """Stop a kernel benchmark that would time something else: on CUDA without a
+    GPU, or with an extension built without CUDA ("ours" would silently be torch's
+    ops), or with no extension at all."""
+    from megatron_fsdp import kernels
+
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    if device.type == "cuda" and not kernels.extension_has_cuda():
+        raise SystemExit(f"--device cuda: the extension is not built with CUDA ({kernels.extension_import_error()})")
+    if not kernels.extension_available():
+        raise SystemExit(f"the extension is not built: {kernels.extension_import_error()}")
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()

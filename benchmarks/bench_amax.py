@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from _common import require_our_kernels_on
 from megatron_fsdp import kernels
 from megatron_fsdp.kernels.amax import _multi_tensor_amax_reference
 
@@ -111,12 +112,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    if device.type == "cuda" and not kernels.extension_has_cuda():
-        raise SystemExit(f"--device cuda: the extension is not built with CUDA ({kernels.extension_import_error()})")
-    if not kernels.extension_available():
-        raise SystemExit(f"the extension is not built: {kernels.extension_import_error()}")
+    require_our_kernels_on(device)
     dtype = getattr(torch, args.dtype)
     for name in args.cases.split(","):
         if name not in CASES:

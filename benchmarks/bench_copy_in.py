@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers fsdp:: ops)
 
-from megatron_fsdp import kernels
+from _common import require_our_kernels_on
 from megatron_fsdp.kernels import fsdp_copy_ops
 
 SIZES = {"many_small": (2000, 256), "medium": (200, 65536), "few_large": (20, 4 * 1024 * 1024)}
@@ -123,11 +123,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    if device.type == "cuda" and not kernels.extension_has_cuda():
-        # Otherwise "ours" would silently be torch's ops on the device.
-        raise SystemExit(f"--device cuda: the extension is not built with CUDA ({kernels.extension_import_error()})")
+    require_our_kernels_on(device)
     if not fsdp_copy_ops.enable_fsdp_copy_kernels():
         raise SystemExit("our kernels could not be installed (see the warning above)")
     rows = []

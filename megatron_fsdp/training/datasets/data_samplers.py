@@ -72,6 +72,12 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args=None):
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
 
 
+def _check_layout(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:
+    if micro_batch_size <= 0 or data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+        raise ValueError(f"bad sampler layout: micro_batch_size={micro_batch_size}, "
+                         f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}")
+
+
 class MegatronPretrainingSampler:
     """Sequential batches from `consumed_samples` on; rank r gets slice r of each global micro-step."""
 
@@ -82,9 +88,7 @@ class MegatronPretrainingSampler:
         if not 0 <= consumed_samples < total_samples:
             raise ValueError(f"no samples left to consume: {consumed_samples} consumed of {total_samples} "
                              "(train longer than the dataset? build it with more samples)")
-        if micro_batch_size <= 0 or data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"bad sampler layout: micro_batch_size={micro_batch_size}, "
-                             f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}")
+        _check_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -163,9 +167,7 @@ class MegatronPretrainingRandomSampler:
                  data_parallel_rank: int, data_parallel_size: int, data_sharding: bool) -> None:
         if total_samples <= 0:
             raise ValueError(f"no sample to consume: the dataset holds {total_samples} samples")
-        if micro_batch_size <= 0 or data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"bad sampler layout: micro_batch_size={micro_batch_size}, "
-                             f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}")
+        _check_layout(micro_batch_size, data_parallel_rank, data_parallel_size)
         self.dataset = dataset
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
