@@ -26,7 +26,7 @@ import time
 import torch
 
 from _common import require_our_kernels_on
-from megatron_fsdp import kernels
+from megatron_fsdp import _torch_compat, kernels
 from megatron_fsdp.kernels.amax import _multi_tensor_amax_reference
 
 CASES = {  # name: (count, elements each)
@@ -58,13 +58,13 @@ def bench_amax(name: str, dtype: torch.dtype, repeats: int, device: torch.device
     flat = torch.cat(weights)
     inf = float("inf")
     ours = kernels.multi_tensor_amax(weights)
-    foreach = torch.stack(torch._foreach_norm(weights, inf)).float()
+    foreach = torch.stack(_torch_compat.foreach_norm(weights, inf)).float()
     if not torch.equal(ours, foreach):
         raise SystemExit(f"{name}: multi_tensor_amax differs from _foreach_norm(inf): {ours} vs {foreach}")
     ms = timed_rounds({
         "ours": lambda: kernels.multi_tensor_amax(weights),
         "op": lambda: torch.ops.megatron_fsdp.multi_tensor_amax(weights),
-        "foreach": lambda: torch.stack(torch._foreach_norm(weights, inf)),
+        "foreach": lambda: torch.stack(_torch_compat.foreach_norm(weights, inf)),
         "per_tensor": lambda: _multi_tensor_amax_reference(weights),
         "bound": lambda: torch.amax(flat),
     }, repeats, device)

@@ -22,9 +22,9 @@ import json
 import time
 
 import torch
-import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (registers fsdp:: ops)
 
 from _common import require_our_kernels_on
+from megatron_fsdp import _torch_compat
 from megatron_fsdp.kernels import fsdp_copy_ops
 
 SIZES = {"many_small": (2000, 256), "medium": (200, 65536), "few_large": (20, 4 * 1024 * 1024)}
@@ -123,6 +123,7 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    _torch_compat.fsdp_collectives_module()  # registers the fsdp:: ops
     require_our_kernels_on(device)
     if not fsdp_copy_ops.enable_fsdp_copy_kernels():
         raise SystemExit("our kernels could not be installed (see the warning above)")

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _torch_compat
 from .utils import reject_unsupported
 
 SUPPORTED_ORDER_DIMS = ("tp", "cp", "ep", "dp", "pp")
@@ -156,7 +157,7 @@ def build_meshes(device_type: str, shape: tuple[int, ...],
                  names: tuple[str, ...]) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
     """The root mesh and every 1D view by name: the root's dims and FLATTENED_DIMS."""
     global _MESH_CACHE_OWNER
-    default_group = dist.distributed_c10d._get_default_group()
+    default_group = _torch_compat.default_group()
     if _MESH_CACHE_OWNER is not default_group:
         _MESH_CACHE.clear()  # meshes of an earlier, destroyed default group
         _GLOO_CACHE.clear()
@@ -168,7 +169,7 @@ def build_meshes(device_type: str, shape: tuple[int, ...],
     dim_meshes = {name: mesh[name] for name in names}
     for flat, dims in FLATTENED_DIMS:
         # DeviceMesh slices must list dims in the root mesh's order.
-        dim_meshes[flat] = mesh[tuple(sorted(dims, key=names.index))]._flatten(flat)
+        dim_meshes[flat] = _torch_compat.flatten_mesh(mesh[tuple(sorted(dims, key=names.index))], flat)
     _MESH_CACHE[key] = (mesh, dim_meshes)
     return mesh, dim_meshes
 

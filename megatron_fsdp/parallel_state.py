@@ -33,6 +33,7 @@ from ._process_groups import (
     check_initialize_arguments as _check_initialize_arguments,
     parse_order as _parse_order,
 )
+from . import _torch_compat
 from .utils import reject_unsupported as _reject_unsupported
 
 
@@ -125,6 +126,7 @@ def initialize_model_parallel(
     }
     dims = _parse_order(order, sizes)
     device_type = _backend_device_type(dist.get_backend())
+    _torch_compat.warn_if_unsupported_torch()
 
     # Slowest-varying dimension first; dp expands into (dp_replicate, dp_shard).
     mesh_names: list[str] = []
@@ -145,7 +147,7 @@ def initialize_model_parallel(
     for group in groups.values():
         # Megatron creates its groups with this timeout; ours may come from the
         # layout cache, so it is set (again) on every initialization.
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
+        _torch_compat.set_group_timeout(group, timeout)
     _STATE = _ParallelState(
         mesh=mesh,
         dim_meshes=dim_meshes,

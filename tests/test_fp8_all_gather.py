@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from helpers import full_tensor, make_config, setup_parallel
-from megatron_fsdp import parallel_state, tensor_parallel
+from megatron_fsdp import _torch_compat, parallel_state, tensor_parallel
 from megatron_fsdp.fp8 import (
     Fp8GatheredWeight,
     Fp8LinearState,
@@ -88,7 +87,7 @@ def _full_masters(net) -> dict:
     """The full master weights, through the state dict (plain tensors there)."""
     state = net.state_dict()
     for key in ("col.weight", "row.weight"):
-        local = state[key]._local_tensor if isinstance(state[key], DTensor) else state[key]
+        local = _torch_compat.local_tensor(state[key])
         assert type(local) is torch.Tensor, f"{key}: the state dict holds a {type(local).__name__}"
     return {key: full_tensor(state[key]).clone() for key in ("col.weight", "row.weight")}
 
@@ -108,7 +107,7 @@ def _check_gathered(net, masters) -> None:
         unit.unshard()
     for key, layer, tp_dim in (("col.weight", net.col, 0), ("row.weight", net.row, 1)):
         weight = layer.weight
-        local = weight._local_tensor if isinstance(weight, DTensor) else weight
+        local = _torch_compat.local_tensor(weight)
         assert isinstance(local, Fp8GatheredWeight), f"{key}: gathered a {type(local).__name__}"
         assert local.dtype == torch.bfloat16 and local._data.dtype == E4M3
         expected, scale = _expected_fp8(masters[key], tp_dim)

@@ -5,10 +5,9 @@ saved and loaded with training.checkpointing."""
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from helpers import full_tensor, make_config, setup_parallel
-from megatron_fsdp import parallel_state, tensor_parallel
+from megatron_fsdp import _torch_compat, parallel_state, tensor_parallel
 from megatron_fsdp.dist_checkpointing import torch_dcp
 from megatron_fsdp.fp8 import (
     Fp8GatheredWeight,
@@ -72,7 +71,7 @@ def _check_gathered_weights(model, masters):
         for suffix in FP8_WEIGHTS:
             key = f"decoder.layers.{i}.{suffix}"
             module = layer.get_submodule(suffix.rsplit(".", 1)[0])
-            local = module.weight._local_tensor if isinstance(module.weight, DTensor) else module.weight
+            local = _torch_compat.local_tensor(module.weight)
             assert isinstance(local, Fp8GatheredWeight), key
             full = masters[key]
             scale = torch.tensor(448.0 / float(full.abs().max()), dtype=torch.float64).float()

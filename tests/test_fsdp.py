@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import reference_gpt
 from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel
-from megatron_fsdp import parallel_state
+from megatron_fsdp import _torch_compat, parallel_state
 from megatron_fsdp.distributed import (
     TorchFullyShardedDataParallel,
     TorchFullyShardedDataParallelConfig,
@@ -254,7 +254,7 @@ def _unsharded_grad_bytes(wrapped):
     held = 0
     for m in wrapped.module.modules():
         if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in _torch_compat.fsdp_param_groups(m):
                 for fp in group.fsdp_params:
                     for g in (fp.unsharded_accumulated_grad, getattr(getattr(fp, "_unsharded_param", None), "grad", None)):
                         if g is not None:
@@ -401,7 +401,7 @@ def _case_gloo_sum_reduction():
     *_, wrapped = _build(1, "plain", {}, {}, {})
     fsdp_modules = [m for m in wrapped.module.modules() if isinstance(m, FSDPModule)]
     assert len(fsdp_modules) == len(wrapped.fsdp_units) + 1
-    groups = [g for m in fsdp_modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    groups = [g for m in fsdp_modules for g in _torch_compat.fsdp_param_groups(m)]
     assert groups and all(g.force_sum_reduction_for_comms for g in groups), (
         f"{sum(not g.force_sum_reduction_for_comms for g in groups)} of {len(groups)} FSDP param groups "
         "would reduce with AVG/PREMUL_SUM")

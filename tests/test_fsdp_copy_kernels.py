@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from helpers import full_params, make_config, setup_parallel
-from megatron_fsdp import parallel_state
+from megatron_fsdp import _torch_compat, parallel_state
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.kernels import fsdp_copy_ops, fsdp_mixed_precision_hook
 from megatron_fsdp.models.gpt import GPTModel
@@ -182,8 +182,7 @@ def test_mixed_precision_hook_fits_this_torch():
 def _watch_fused_cast(seen: list):
     """Records, for each all-gather input FSDP2 builds, whether it reached the
     copy-in uncast (marked by fsdp_mixed_precision_hook)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
+    _fsdp_collectives = _torch_compat.fsdp_collectives_module()
     hooked = _fsdp_collectives._get_param_all_gather_inputs
 
     def watching(fsdp_params):

@@ -121,8 +121,10 @@ def test_complex_parameters_and_inference_mode():
 
 
 def test_fsdp_op_checks_its_split_sizes_and_outputs():
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (defines fsdp::)
+    from megatron_fsdp import _torch_compat
     from megatron_fsdp.kernels import fsdp_copy_ops
+
+    _torch_compat.fsdp_collectives_module()  # defines fsdp::
 
     assert fsdp_copy_ops.enable_fsdp_copy_kernels()
     out = torch.zeros(20)

@@ -19,9 +19,10 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_compat
 from .core import CheckpointError
 
 
@@ -128,7 +129,7 @@ class RowsLoadPlanner(DefaultLoadPlanner):
             if isinstance(tensor, DTensor) and tensor.device_mesh.get_coordinate() is None:
                 continue
             chunks = []
-            for chunk in _create_chunk_list(tensor):
+            for chunk in _torch_compat.create_chunk_list(tensor):
                 keep = min(chunk.sizes[0], max(0, rows - chunk.offsets[0]))
                 if keep > 0:
                     # Same origin as the local shard: the read items' offsets stay valid in it.

@@ -13,10 +13,9 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .. import parallel_state
+from .. import _torch_compat, parallel_state
 from ..fp8 import refresh_fp8_scales
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
@@ -114,11 +113,8 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         inside no_sync(): an accumulation abandoned part-way must not leak
         into the next step."""
         super().zero_grad_buffer()
-        for fsdp_param in self._fsdp_params():
-            fsdp_param.unsharded_accumulated_grad = None
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
+        for fsdp_param in _torch_compat.fsdp_params(self.module):
+            _torch_compat.drop_unsharded_grads(fsdp_param)
         self._unsynced_backward = False
 
     def unsharded_grad_bytes(self) -> int:
@@ -126,21 +122,11 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         reduce-scatter: zero between microbatches unless
         `accumulate_unsharded_grads_in_no_sync` is on."""
         held = 0
-        for fsdp_param in self._fsdp_params():
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            # fp32 training accumulates in the unsharded parameter's .grad;
-            # mixed precision upcasts into unsharded_accumulated_grad.
-            for grad in (fsdp_param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
-                if grad is not None:
-                    local = grad.to_local() if isinstance(grad, DTensor) else grad
-                    held += local.numel() * local.element_size()
+        for fsdp_param in _torch_compat.fsdp_params(self.module):
+            for grad in _torch_compat.unsharded_grads(fsdp_param):
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                held += local.numel() * local.element_size()
         return held
-
-    def _fsdp_params(self):
-        for module in self.module.modules():
-            if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
-                    yield from group.fsdp_params
 
     def start_grad_sync(self, *unused) -> None:
         """No-op: FSDP2 launches each unit's reduce-scatter during backward."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_compat
 from .recipe import Fp8Recipe, layer_runs_fp8
 from .weight import Fp8TrainingWeight, Fp8WeightMeta, is_fp8_training_weight
 
@@ -55,8 +56,8 @@ def check_fp8_reshard(reshard_after_forward) -> None:
 
 
 def _plain_master_weight(value):
-    if isinstance(value, DTensor) and isinstance(value._local_tensor, Fp8TrainingWeight):
-        return DTensor.from_local(value._local_tensor._data, value.device_mesh, value.placements,
+    if isinstance(value, DTensor) and isinstance(_torch_compat.local_tensor(value), Fp8TrainingWeight):
+        return DTensor.from_local(_torch_compat.local_tensor(value)._data, value.device_mesh, value.placements,
                                   run_check=False, shape=value.shape, stride=value.stride())
     if isinstance(value, Fp8TrainingWeight):
         return value._data
@@ -74,7 +75,7 @@ def _save_plain_weight(module, state_dict, prefix, local_metadata):
 def _to_fp8_training_weight(weight: nn.Parameter, recipe: Fp8Recipe) -> nn.Parameter:
     meta = Fp8WeightMeta(recipe.forward_dtype, recipe.margin)
     if isinstance(weight, DTensor):
-        local = Fp8TrainingWeight(weight._local_tensor.detach(), meta)
+        local = Fp8TrainingWeight(_torch_compat.local_tensor(weight).detach(), meta)
         value = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
                                    shape=weight.shape, stride=weight.stride())
     else:

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import _torch_compat
 from .recipe import Fp8Recipe
 from .scaling import AmaxHistory, cast_to_fp8, scale_from_amax, tensor_amax
 from .weight import Fp8GatheredWeight, Fp8TrainingWeight
@@ -99,8 +100,7 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, out=None):
-    return torch._scaled_mm(a, b, scale_a=inv_scale_a.float(), scale_b=inv_scale_b.float(), out_dtype=out_dtype,
-                            out=out)
+    return _torch_compat.scaled_mm(a, b, inv_scale_a.float(), inv_scale_b.float(), out_dtype, out=out)
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import parallel_state
+from .. import _torch_compat, parallel_state
 from ..kernels.amax import multi_tensor_amax
 from .convert import _fp8_linears
 from .scaling import scale_from_amax
@@ -55,7 +55,7 @@ def _default_group() -> Optional[dist.ProcessGroup]:
 
 def _master_shard(name: str, linear: nn.Module) -> Fp8TrainingWeight:
     weight = linear._parameters.get("weight")
-    local = getattr(weight, "_local_tensor", weight)
+    local = _torch_compat.local_tensor(weight)
     if not isinstance(local, Fp8TrainingWeight):
         raise RuntimeError(
             f"refresh_fp8_scales: {name}.weight was converted to an fp8 training weight but the module now "

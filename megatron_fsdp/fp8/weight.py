@@ -13,7 +13,7 @@ implements FSDP2's all-gather extension (torch >= 2.9, five-argument hook):
 - `fsdp_post_all_gather` returns an `Fp8GatheredWeight`: the gathered fp8
   bytes (a view of FSDP's all-gather buffer) plus the scale, ready for the
   fp8 GEMM. On later gathers FSDP refills the same buffer and the hook only
-  updates the scale of `out` in place (`out._local_tensor` with tensor
+  updates the scale of `out` in place (its local tensor with tensor
   parallelism): a new return value would be ignored.
 
 The all-gather moves one byte per weight element: half of bf16.
@@ -24,9 +24,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils import _pytree as pytree
 
+from .. import _torch_compat
 from .scaling import cast_to_fp8, dequantize
 
 aten = torch.ops.aten
@@ -53,7 +52,7 @@ class Fp8WeightMeta:
 
 
 def _wrapper(cls, data: torch.Tensor, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
-    return torch.Tensor._make_wrapper_subclass(
+    return _torch_compat.make_wrapper_subclass(
         cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
         layout=data.layout, device=data.device, requires_grad=requires_grad)
 
@@ -72,7 +71,7 @@ class Fp8TrainingWeight(torch.Tensor):
         self._data = data
         self._fp8_meta = meta
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _torch_compat.DISABLED_TORCH_FUNCTION
 
     def __repr__(self) -> str:
         return f"Fp8TrainingWeight({self._data!r}, fp8_dtype={self._fp8_meta.fp8_dtype})"
@@ -87,11 +86,11 @@ class Fp8TrainingWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        meta = next(t._fp8_meta for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
-        unwrapped_args, unwrapped_kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs))
+        meta = next(t._fp8_meta for t in _torch_compat.tree_leaves((args, kwargs)) if isinstance(t, cls))
+        unwrapped_args, unwrapped_kwargs = _torch_compat.tree_map_only(cls, lambda t: t._data, (args, kwargs))
         out = func(*unwrapped_args, **unwrapped_kwargs)
         if func in _SAME_WEIGHT_OPS:
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, meta), out)
+            return _torch_compat.tree_map_only(torch.Tensor, lambda t: cls(t, meta), out)
         if func._schema.name.endswith("_") and args and isinstance(args[0], cls) and out is not None:
             return args[0]  # an in-place op (optimizer update, load) returns the weight itself
         return out
@@ -125,7 +124,7 @@ class Fp8TrainingWeight(torch.Tensor):
             # FSDP narrows this to the unpadded weight (as_strided) and frees and
             # refills the all-gather buffer underneath it; nothing else to free.
             return Fp8GatheredWeight(data, scale.clone(), param_dtype), ()
-        target = out._local_tensor if isinstance(out, DTensor) else out
+        target = _torch_compat.local_tensor(out)
         if not isinstance(target, Fp8GatheredWeight):
             raise RuntimeError(f"fsdp_post_all_gather: expected the previous Fp8GatheredWeight as `out`, "
                                f"got {type(target).__name__}")
@@ -154,7 +153,7 @@ class Fp8GatheredWeight(torch.Tensor):
         self._data = data
         self._scale = scale
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = _torch_compat.DISABLED_TORCH_FUNCTION
 
     def __repr__(self) -> str:
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, fp8_dtype={self._data.dtype}, dtype={self.dtype})"
@@ -175,10 +174,10 @@ class Fp8GatheredWeight(torch.Tensor):
         if func in cls._VIEW_OPS and isinstance(args[0], cls):
             w = args[0]
             return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
-        dequantized = pytree.tree_map_only(cls, lambda t: dequantize(t._data, t._scale, t.dtype), (args, kwargs))
+        dequantized = _torch_compat.tree_map_only(cls, lambda t: dequantize(t._data, t._scale, t.dtype), (args, kwargs))
         return func(*dequantized[0], **dequantized[1])
 
 
 def is_fp8_training_weight(t: Optional[torch.Tensor]) -> bool:
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = _torch_compat.local_tensor(t) if t is not None else t
     return isinstance(local, Fp8TrainingWeight)

@@ -25,16 +25,11 @@ import warnings
 
 import torch
 
+from .. import _torch_compat
 from . import _load_extension, extension_available, fsdp_mixed_precision_hook
 
-# The schemas as torch 2.9-2.14 declare them (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
-EXPECTED_SCHEMAS = {
-    "all_gather_copy_in": "fsdp::all_gather_copy_in(Tensor[] all_gather_inputs, Tensor all_gather_output, "
-                          "SymInt[] inp_split_sizes, SymInt all_gather_input_numel, SymInt rank) -> (Tensor, Tensor)",
-    "split_with_sizes_copy": "fsdp::split_with_sizes_copy(Tensor all_gather_output, SymInt[] "
-                             "all_gather_input_split_sizes, int dim=0, *, Tensor(a!)[] out) -> ()",
-    "chunk_cat": "fsdp::chunk_cat(Tensor[] tensors, int dim, int num_chunks, *, Tensor(a!) out) -> ()",
-}
+# The schemas we implement (torch 2.9-2.14 declare them so): the compatibility module's pin.
+EXPECTED_SCHEMAS = _torch_compat.FSDP_COPY_OP_SCHEMAS
 
 _lock = threading.Lock()
 _installed = False
@@ -49,13 +44,7 @@ def schema_mismatches() -> dict[str, str]:
     """Ops whose schema in the running torch differs from the one we implement."""
     found = {}
     for name, expected in EXPECTED_SCHEMAS.items():
-        try:
-            # Importing FSDP registers the fsdp:: ops.
-            import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401
-
-            actual = str(getattr(torch.ops.fsdp, name).default._schema)
-        except (AttributeError, ImportError, RuntimeError) as exc:
-            actual = f"<missing: {exc}>"
+        actual = _torch_compat.fsdp_copy_op_schema(name)
         if actual != expected:
             found[name] = actual
     return found

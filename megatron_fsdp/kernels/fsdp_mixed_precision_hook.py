@@ -11,9 +11,9 @@ so results are the same either way, bitwise).
 It replaces two module-level functions of
 torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, which FSDP2 looks
 up at call time. `supported()` checks that they exist with the signatures
-this code was written against (torch 2.9-2.14); tests assert it for the
-torch in CI, so a torch that changes them fails loudly instead of silently
-running unfused.
+this code was written against (megatron_fsdp/_torch_compat.py names them and
+the FSDP2 state read here); tests assert it for the torch in CI, so a torch
+that changes them fails loudly instead of silently running unfused.
 """
 
 from __future__ import annotations
@@ -23,50 +23,33 @@ from typing import Optional
 
 import torch
 
+from .. import _torch_compat
+
 _CAST_ATTR = "_megatron_fsdp_gather_dtype"
-_EXPECTED_PARAMETERS = {
-    "_get_param_all_gather_inputs": ["fsdp_params"],
-    "_get_all_gather_input_metadatas": ["param_all_gather_inputs"],
-}
 _originals: Optional[dict] = None
-
-
-def _collectives():
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    return _fsdp_collectives
 
 
 def supported() -> bool:
     try:
-        module = _collectives()
-        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState  # noqa: F401
+        module = _torch_compat.fsdp_collectives_module()
     except ImportError:
         return False
-    for name, params in _EXPECTED_PARAMETERS.items():
+    for name, params in _torch_compat.ALL_GATHER_INPUT_FUNCTIONS.items():
         fn = getattr(module, name, None)
         if fn is None or list(inspect.signature(fn).parameters) != params:
             return False
     return True
 
 
-def _fusable(fsdp_param) -> bool:
-    # FSDP2's own fast-path condition for casting shards (see _get_param_all_gather_inputs).
-    return (fsdp_param.param_dtype is not None and not fsdp_param.offload_to_cpu
-            and not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"))
-
-
 def _param_all_gather_inputs(fsdp_params):
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    if not all(_fusable(p) for p in fsdp_params):
+    if _torch_compat.compiled_autograd_enabled() or not all(_torch_compat.casts_in_copy_in(p) for p in fsdp_params):
         # A group mixing in extension (e.g. fp8) or offloaded parameters keeps
         # torch's path: its byte-level packing assumes already-cast inputs.
+        # So does compiled autograd on torch 2.11, which gathers differently.
         return _originals["_get_param_all_gather_inputs"](fsdp_params)
     inputs = []
     for fsdp_param in fsdp_params:
-        data = (fsdp_param._sharded_param_data if fsdp_param.sharded_state == ShardedState.SHARDED
-                else fsdp_param._sharded_post_forward_param_data)
+        data = _torch_compat.all_gather_source(fsdp_param)
         marked = data.view(data.shape)  # a fresh view to carry the mark, not the shard itself
         setattr(marked, _CAST_ATTR, fsdp_param.param_dtype)
         inputs.append([marked])
@@ -92,8 +75,8 @@ def install() -> bool:
         return True
     if not supported():
         return False
-    module = _collectives()
-    _originals = {name: getattr(module, name) for name in _EXPECTED_PARAMETERS}
+    module = _torch_compat.fsdp_collectives_module()
+    _originals = {name: getattr(module, name) for name in _torch_compat.ALL_GATHER_INPUT_FUNCTIONS}
     module._get_param_all_gather_inputs = _param_all_gather_inputs
     module._get_all_gather_input_metadatas = _all_gather_input_metadatas
     return True
@@ -103,7 +86,7 @@ def uninstall() -> None:
     global _originals
     if _originals is None:
         return
-    module = _collectives()
+    module = _torch_compat.fsdp_collectives_module()
     for name, fn in _originals.items():
         setattr(module, name, fn)
     _originals = None

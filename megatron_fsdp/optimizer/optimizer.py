@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_compat
 from ..fp8.refresh import has_fp8_linears, refresh_fp8_scales
 from ..model_parallel_config import reject_unsupported
 from .clip_grads import clip_grad_norm_, count_zeros_fp32, get_grad_norm_fp32
@@ -180,7 +181,7 @@ class MegatronOptimizer:
         inv_scale = self.grad_scaler.inv_scale
         for (device, _), grads in by_device_dtype.items():
             found_here = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv_scale.to(device))
+            _torch_compat.amp_non_finite_check_and_unscale_(grads, found_here, inv_scale.to(device))
             found_inf += found_here.to(scaler_device)
         if dist.is_available() and dist.is_initialized():
             # The whole world: with FSDP every rank holds different shards, and

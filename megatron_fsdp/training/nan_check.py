@@ -14,6 +14,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import _torch_compat
+
 
 class NonFiniteError(RuntimeError):
     """A NaN or inf loss or gradient was found (with the check on)."""
@@ -23,7 +25,7 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     if not tensors:
         return True
     # The inf-norm is each tensor's max |x|: inf if any element is, NaN if any is.
-    return bool(torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all())
+    return bool(torch.stack(_torch_compat.foreach_norm(tensors, float("inf"))).isfinite().all())
 
 
 def non_finite_ranks(loss: torch.Tensor, grads: Optional[Iterable[torch.Tensor]] = None,

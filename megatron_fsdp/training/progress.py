@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .. import _torch_compat
+
 _PREFIX = "megatron_fsdp/progress/"
 
 
@@ -21,10 +23,8 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 def _store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # a private torch API: without it there is no explanation, nothing breaks
-        return None
+    # Without the store there is no explanation; nothing else breaks.
+    return _torch_compat.default_store()
 
 
 class ProgressBeacon:

@@ -1,0 +1,289 @@
+"""Everything megatron_fsdp takes from torch beyond its public API, in one place.
+
+Supported torch: 2.11 up to (not including) 2.15 (`SUPPORTED_TORCH`). Public API
+is used wherever torch has one (`FSDPModule.set_requires_gradient_sync`,
+`DTensor.to_local`, ...); what follows has none, so each function says which
+private name it relies on and how the supported versions differ.
+`PRIVATE_NAMES` lists every one of them, and tests/test_torch_compat.py pins
+them on the running torch (and checks that no other module of the package
+reaches into torch's private names), so a torch that renames one fails there,
+by name, instead of in a user's job.
+
+Differences handled here (read from each version's sources):
+- FSDP2's per-module state holds one `_fsdp_param_group` (or None) in torch
+  2.11; from 2.12 it holds a list `_fsdp_param_groups` (and
+  `_fsdp_param_group` becomes a property that raises when there are several).
+- torch 2.11's `_get_param_all_gather_inputs` returns each parameter's own
+  `all_gather_inputs` under compiled autograd; 2.12 dropped that branch. The
+  mixed-precision hook (kernels/fsdp_mixed_precision_hook.py) defers to torch
+  there on every version.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SUPPORTED_TORCH = ((2, 11), (2, 15))  # [lowest, first unsupported): major.minor
+
+# Every private name used, as "module:attribute path", with the torch versions
+# that have it ([first, first without), None: every supported version).
+# Objects that exist only at run time (FSDP2's per-module state and
+# parameters) are in FSDP_PRIVATE_ATTRIBUTES, checked on a live fully_shard
+# module by the tests.
+ALL = None
+PRIVATE_NAMES = {
+    "torch.distributed.distributed_c10d:_get_default_group": ALL,
+    "torch.distributed.distributed_c10d:_get_default_store": ALL,
+    "torch.distributed.distributed_c10d:_set_pg_timeout": ALL,
+    "torch.distributed.device_mesh:DeviceMesh._flatten": ALL,
+    "torch.distributed.fsdp:FSDPModule._get_fsdp_state": ALL,
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs": ALL,
+    "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_all_gather_input_metadatas": ALL,
+    "torch.distributed.fsdp._fully_shard._fsdp_common:compiled_autograd_enabled": ((2, 11), (2, 12)),
+    "torch.distributed.fsdp._fully_shard._fsdp_param:ShardedState.SHARDED": ALL,
+    "torch.distributed.checkpoint.planner_helpers:_create_chunk_list": ALL,
+    "torch:Tensor._make_wrapper_subclass": ALL,
+    "torch._C:_disabled_torch_function_impl": ALL,
+    "torch.utils._pytree:tree_map_only": ALL,
+    "torch.utils._pytree:tree_leaves": ALL,
+    "torch:_scaled_mm": ALL,
+    "torch:_foreach_norm": ALL,
+    "torch:_amp_foreach_non_finite_check_and_unscale_": ALL,
+}
+
+# On DTensors, FSDP2's FSDPParam (per parameter) and its module state; read at run time.
+FSDP_PRIVATE_ATTRIBUTES = {
+    "dtensor": ("_local_tensor",),
+    "state": ("_fsdp_param_groups (torch >= 2.12) or _fsdp_param_group (torch 2.11)",),
+    "param_group": ("fsdp_params",),
+    "param": ("unsharded_accumulated_grad", "_unsharded_param", "_sharded_local_tensor", "_sharded_param_data",
+              "_sharded_post_forward_param_data", "sharded_state", "param_dtype", "offload_to_cpu"),
+}
+
+# The schemas of FSDP2's copy ops that our kernels implement, as torch 2.9-2.14
+# declare them (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+FSDP_COPY_OP_SCHEMAS = {
+    "all_gather_copy_in": "fsdp::all_gather_copy_in(Tensor[] all_gather_inputs, Tensor all_gather_output, "
+                          "SymInt[] inp_split_sizes, SymInt all_gather_input_numel, SymInt rank) -> (Tensor, Tensor)",
+    "split_with_sizes_copy": "fsdp::split_with_sizes_copy(Tensor all_gather_output, SymInt[] "
+                             "all_gather_input_split_sizes, int dim=0, *, Tensor(a!)[] out) -> ()",
+    "chunk_cat": "fsdp::chunk_cat(Tensor[] tensors, int dim, int num_chunks, *, Tensor(a!) out) -> ()",
+}
+
+# The signatures of the FSDP2 functions the mixed-precision hook replaces.
+ALL_GATHER_INPUT_FUNCTIONS = {
+    "_get_param_all_gather_inputs": ["fsdp_params"],
+    "_get_all_gather_input_metadatas": ["param_all_gather_inputs"],
+}
+
+
+# ------------------------------------------------------------------ versions
+
+def torch_version(version: Optional[str] = None) -> tuple[int, int]:
+    """(major, minor) of `version` (default: the running torch), ignoring local tags."""
+    major, minor = (version or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def torch_is_supported(version: Optional[str] = None) -> bool:
+    low, high = SUPPORTED_TORCH
+    return low <= torch_version(version) < high
+
+
+def supported_torch_range() -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED_TORCH
+    return f"torch >= {lo_major}.{lo_minor}, < {hi_major}.{hi_minor}"
+
+
+_warned_version = False
+
+
+def warn_if_unsupported_torch() -> None:
+    """One warning per process on a torch outside SUPPORTED_TORCH (it may work; it is not tested)."""
+    global _warned_version
+    if _warned_version or torch_is_supported():
+        return
+    _warned_version = True
+    warnings.warn(f"megatron_fsdp supports {supported_torch_range()}; torch {torch.__version__} is not tested "
+                  "and may differ in the private FSDP2 state megatron_fsdp/_torch_compat.py relies on",
+                  RuntimeWarning, stacklevel=2)
+
+
+# ------------------------------------------------------------------ c10d
+
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group: `distributed_c10d._get_default_group`."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def default_store() -> Optional[dist.Store]:
+    """The rendezvous key-value store of the default group, or None where this
+    torch does not expose it (`distributed_c10d._get_default_store`)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> None:
+    """Change an existing group's collective timeout (`distributed_c10d._set_pg_timeout`);
+    public API sets it only when a group is created."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+# ------------------------------------------------------------------ DeviceMesh and DTensor
+
+def flatten_mesh(mesh, name: str):
+    """One 1-D mesh over all dims of `mesh` (a slice of a root mesh), registered
+    under `name` in the root (`DeviceMesh._flatten`; same signature 2.11-2.14)."""
+    return mesh._flatten(name)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor object itself (`DTensor._local_tensor`); any other
+    tensor as it is. Not `to_local()`: from torch 2.13, for a Parameter wrapping a
+    DTensor it returns a fresh view even outside autograd, and the fp8 weight
+    subclasses must update the very object FSDP2 holds."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# ------------------------------------------------------------------ FSDP2 state
+
+def fsdp_param_groups(module) -> list:
+    """The FSDPParamGroups of one `fully_shard`-ed module (empty when it owns no
+    parameters): `FSDPModule._get_fsdp_state()` then `_fsdp_param_groups`
+    (torch >= 2.12) or `_fsdp_param_group` (2.11)."""
+    state = module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):  # 2.12+: a list (the singular name is a raising property)
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def fsdp_params(root: nn.Module) -> Iterator:
+    """Every FSDPParam of every `fully_shard`-ed module in `root` (root included)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            for group in fsdp_param_groups(module):
+                yield from group.fsdp_params
+
+
+def unsharded_grads(fsdp_param) -> list[torch.Tensor]:
+    """The unsharded gradients FSDP2 holds for a parameter between backward and
+    reduce-scatter: `unsharded_accumulated_grad` (mixed precision accumulates
+    upcast there) and the unsharded parameter's `.grad` (`_unsharded_param`)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)  # absent before the first all-gather
+    grads = (fsdp_param.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad)
+    return [g for g in grads if g is not None]
+
+
+def drop_unsharded_grads(fsdp_param) -> None:
+    fsdp_param.unsharded_accumulated_grad = None
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if unsharded is not None:
+        unsharded.grad = None
+
+
+def fsdp_collectives_module():
+    """torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: it registers the
+    `fsdp::` copy ops when imported and holds the functions the
+    mixed-precision hook replaces (looked up there at call time)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return _fsdp_collectives
+
+
+def fsdp_copy_op_schema(name: str) -> str:
+    """The running torch's schema of `fsdp::<name>`, or '<missing: ...>'."""
+    try:
+        fsdp_collectives_module()
+        return str(getattr(torch.ops.fsdp, name).default._schema)
+    except (AttributeError, ImportError, RuntimeError) as exc:
+        return f"<missing: {exc}>"
+
+
+def compiled_autograd_enabled() -> bool:
+    """torch 2.11: whether FSDP2 runs under compiled autograd
+    (`_fsdp_common.compiled_autograd_enabled`), where its all-gather inputs take
+    another path that the mixed-precision hook must leave to torch. Later
+    versions have one path (and no such function): False."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    enabled = getattr(_fsdp_common, "compiled_autograd_enabled", None)
+    return bool(enabled is not None and enabled())
+
+
+def casts_in_copy_in(fsdp_param) -> bool:
+    """FSDP2's own condition for casting a shard with one foreach copy (see
+    `_get_param_all_gather_inputs`, 2.11-2.14): mixed precision, not offloaded,
+    not an all-gather extension (fp8 weights)."""
+    return (fsdp_param.param_dtype is not None and not fsdp_param.offload_to_cpu
+            and not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"))
+
+
+def all_gather_source(fsdp_param) -> torch.Tensor:
+    """The flat shard FSDP2 all-gathers for a parameter: the sharded data, or
+    the post-forward (resharded to a smaller group) data between forward and
+    backward with an integer reshard_after_forward."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    if fsdp_param.sharded_state == ShardedState.SHARDED:
+        return fsdp_param._sharded_param_data
+    return fsdp_param._sharded_post_forward_param_data
+
+
+# ------------------------------------------------------------------ tensor subclasses and private ops
+
+def make_wrapper_subclass(cls, shape, **kwargs):
+    """`torch.Tensor._make_wrapper_subclass`: how every wrapper subclass (torchao's,
+    DTensor) is made; there is no public spelling."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
+
+
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+
+
+def tree_map_only(types, fn, tree):
+    """`torch.utils._pytree.tree_map_only` (what torch's own subclasses use)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map_only(types, fn, tree)
+
+
+def tree_leaves(tree) -> list:
+    from torch.utils import _pytree
+
+    return _pytree.tree_leaves(tree)
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
+    """`torch._scaled_mm` (schema unchanged 2.11-2.14): fp8 GEMM with float32
+    inverse scales; `F.scaled_mm`'s recipe API is a different contract."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
+
+
+def foreach_norm(tensors, ord):
+    return torch._foreach_norm(tensors, ord)
+
+
+def amp_non_finite_check_and_unscale_(grads, found_inf, inv_scale) -> None:
+    """`torch._amp_foreach_non_finite_check_and_unscale_` (what torch's GradScaler uses)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def create_chunk_list(tensor):
+    """`checkpoint.planner_helpers._create_chunk_list`: the chunks a (D)Tensor
+    holds, as DCP's planner describes them."""
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+
+    return _create_chunk_list(tensor)
