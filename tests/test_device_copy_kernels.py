@@ -1,9 +1,21 @@
 """The CUDA copy kernels' plans (csrc/copy_plan.h), bitwise against torch.
 
 Without a GPU the plans run on the host (`_C.*_emulated`: every block and
-thread of the device kernel in turn), which tests the tiling, the 16-byte
-vector alignment, the zero padding and the casts; with one, the same cases run
-the real kernels.
+thread of the device kernel in turn, through the same copy_tile() code and the
+same ATen fallback copies), which tests the tiling, the 16-byte vector
+alignment, the zero padding, the casts and the addressing of every output
+layout; with one, the same cases run the real kernels.
+
+The references are computed on the CPU, never by a CUDA op. On the first GPU
+run three copy-out cases failed (transposed first output) while their host
+emulation passed, which looked like device addressing the emulation did not
+model. It was the reference: torch's CUDA `split_with_sizes_copy(out=...)`
+takes a fast path for every output that is non-overlapping and dense, and a
+transposed output is that, so it writes the elements as if the output were
+contiguous (aten/src/ATen/native/cuda/TensorShape.cu,
+`split_with_sizes_copy_out_cuda`; torch 2.4-2.14). Our plan sends an output
+whose rows are not unit-stride to ATen's strided `copy_`, on the host as on
+the device, and `test_split_copy_out_layouts_*` below pin every layout.
 """
 
 import pytest
@@ -91,9 +103,19 @@ def split_case(seed, device):
         outs[0] = torch.full((sizes[0], world), 7, dtype=dtype, device=device).t()  # strided out
     # Rows further apart than their length (a pitched 2-D output).
     outs[1] = torch.full((world, sizes[1] + 3), 7, dtype=dtype, device=device)[:, :sizes[1]]
-    expected = [o.clone() for o in outs]
-    torch.split_with_sizes_copy(src, sizes, dim=1, out=expected)
-    return (src, sizes, outs), expected
+    return (src, sizes, outs), _split_reference(src, sizes, outs)
+
+
+def _split_reference(src, sizes, outs):
+    """What each output must hold afterwards, computed on the CPU element by element
+    (strided copy_): not by a CUDA op, see the module docstring."""
+    expected, offset = [], 0
+    for out, size in zip(outs, sizes):
+        want = out.cpu().clone()
+        want.copy_(src.cpu()[:, offset:offset + size])
+        expected.append(want)
+        offset += size
+    return expected
 
 
 def chunk_cat_case(seed, device):
@@ -115,7 +137,8 @@ def chunk_cat_case(seed, device):
 
 
 def _bits(t):
-    return t.view(torch.uint8)
+    # reshape: a "contiguous" tensor may keep any stride on a size-1 dim, which view() refuses.
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _assert_same(got, expected):
@@ -128,7 +151,7 @@ def _assert_same(got, expected):
         got, expected = got.clone(), expected.clone()
         got[both_nan] = 0
         expected[both_nan] = 0
-    assert torch.equal(_bits(got.contiguous()), _bits(expected.contiguous()))
+    assert torch.equal(_bits(got), _bits(expected))
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -151,6 +174,60 @@ def test_chunk_cat_plan_is_bitwise_torch(seed):
     (tensors, world, out), expected = chunk_cat_case(seed, "cpu")
     _ext().chunk_cat_emulated(tensors, world, out)
     _assert_same(out, expected)
+
+
+# Every output layout FSDP2 could hand the copy-out, as (name, make(world, size, dtype, device)):
+# each returns the output view, backed by a buffer prefilled with 7 around it.
+def _in_buffer(rows, cols, device, dtype, shift=0):
+    buffer = torch.full((rows * cols + shift + 5,), 7, dtype=dtype, device=device)
+    return buffer[shift:shift + rows * cols].view(rows, cols)
+
+
+SPLIT_LAYOUTS = {
+    "contiguous": lambda w, n, dt, dev: _in_buffer(w, n, dev, dt),
+    "transposed": lambda w, n, dt, dev: _in_buffer(n, w, dev, dt).t(),
+    "pitched": lambda w, n, dt, dev: _in_buffer(w, n + 3, dev, dt)[:, :n],
+    "offset_misaligned": lambda w, n, dt, dev: _in_buffer(w, n, dev, dt, shift=1),
+    "column_of_wider_matrix": lambda w, n, dt, dev: _in_buffer(w, n + 9, dev, dt)[:, 4:4 + n],
+    "transposed_then_offset": lambda w, n, dt, dev: _in_buffer(n + 2, w, dev, dt)[1:1 + n].t(),
+}
+
+
+def _layout_case(layout, world, size, dtype, device):
+    g = torch.Generator().manual_seed(world * 1000 + size)
+    sizes = [size, 3, size]
+    src = _random(g, (world, sum(sizes)), dtype).to(device)
+    outs = [SPLIT_LAYOUTS[layout](world, size, dtype, device), _in_buffer(world, 3, device, dtype),
+            SPLIT_LAYOUTS[layout](world, size, dtype, device)]
+    bases = [o._base for o in outs]  # the 1-D buffers (views keep their root as _base)
+    return src, sizes, outs, bases, _split_reference(src, sizes, outs)
+
+
+def _outside(out, base):
+    """The elements of `base` (the 1-D buffer under `out`) that `out` does not cover."""
+    covered = torch.zeros(base.numel(), dtype=torch.bool)
+    torch.as_strided(covered, out.shape, out.stride(), out.storage_offset() - base.storage_offset()).fill_(True)
+    return base.cpu()[~covered]
+
+
+def _check_layout(outs, bases, expected):
+    for got, want in zip(outs, expected):
+        _assert_same(got.cpu(), want)
+    for out, base in zip(outs, bases):  # nothing written around the outputs
+        outside = _outside(out, base)
+        assert torch.equal(outside.view(torch.uint8), torch.full_like(outside, 7).view(torch.uint8))
+
+
+LAYOUT_SHAPES = [(1, 5), (3, 1), (4, 37), (8, 4096 + 3)]
+
+
+@pytest.mark.parametrize("layout", sorted(SPLIT_LAYOUTS))
+@pytest.mark.parametrize("world, size", LAYOUT_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_split_copy_out_layouts_emulated(layout, world, size, dtype):
+    src, sizes, outs, bases, expected = _layout_case(layout, world, size, dtype, "cpu")
+    _ext().split_copy_out_emulated(src, sizes, outs)
+    _check_layout(outs, bases, expected)
 
 
 def test_plans_check_arguments_before_writing():
@@ -187,6 +264,17 @@ def test_chunk_cat_cuda_is_bitwise_torch(seed):
     (tensors, world, out), expected = chunk_cat_case(seed, "cuda")
     torch.ops.megatron_fsdp.chunk_cat(tensors, world, out)
     _assert_same(out, expected)
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", sorted(SPLIT_LAYOUTS))
+@pytest.mark.parametrize("world, size", LAYOUT_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_split_copy_out_layouts_cuda(layout, world, size, dtype):
+    src, sizes, outs, bases, expected = _layout_case(layout, world, size, dtype, "cuda")
+    torch.ops.megatron_fsdp.split_copy_out(src, sizes, outs)
+    torch.cuda.synchronize()
+    _check_layout(outs, bases, expected)
 
 
 @requires_cuda
