@@ -1,0 +1,28 @@
+# The example jobs' parallel layout, from what this machine has. Sourced after
+# env.sh (needs $PY); sets NPROC, TP, DP and TP_FLAGS.
+#
+#   NPROC  processes on this node. Default: one per GPU that torch sees (NCCL
+#          needs a GPU per process), or 4 CPU worker processes (gloo) without one.
+#   TP     tensor-parallel size. Default: 2 when NPROC is even, else 1. It must
+#          divide NPROC and the model's 4 attention heads (1, 2 or 4).
+# DP = NPROC / TP ranks then shard the model with FSDP (one node; for several,
+# see scripts/slurm_pretrain_gpt.sbatch).
+
+if [ -z "${NPROC:-}" ]; then
+  GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+  if [ "$GPUS" -gt 0 ]; then NPROC="$GPUS"; else NPROC=4; fi
+fi
+if [ -z "${TP:-}" ]; then
+  if [ $((NPROC % 2)) -eq 0 ]; then TP=2; else TP=1; fi
+fi
+case "$NPROC$TP" in
+  *[!0-9]*) echo "layout: NPROC=$NPROC and TP=$TP must be positive integers" >&2; exit 2 ;;
+esac
+if [ "$NPROC" -lt 1 ] || [ "$TP" -lt 1 ] || [ $((NPROC % TP)) -ne 0 ]; then
+  echo "layout: TP=$TP must be at least 1 and divide NPROC=$NPROC (the processes on this node)" >&2
+  exit 2
+fi
+DP=$((NPROC / TP))
+TP_FLAGS=(--tensor-model-parallel-size "$TP")
+if [ "$TP" -gt 1 ]; then TP_FLAGS+=(--sequence-parallel); fi
+echo "[layout] $NPROC processes: TP=$TP x FSDP=$DP" >&2
