@@ -192,6 +192,36 @@ def test_bad_config_is_one_clear_error(kw, match):
         _config(**kw)
 
 
+@pytest.mark.parametrize("split,match", [
+    ("100,-5,5", r"--split '100,-5,5': '-5' is negative; --split takes up to three non-negative numbers"),
+    ("-1", r"'-1' is negative"),
+    ("90,abc", r"'abc' is not a finite number"),
+    ("1e2,1,1", r"'1e2' is not a finite number"),
+    ("nan,1", r"'nan' is not a finite number"),
+    ("1,,1", r"--split '1,,1' has an empty part"),
+    ("969,30,", r"has an empty part"),
+    ("", r"--split '' is empty"),
+    ("0,0,0", r"gives every split a zero share; .*at least one of them positive"),
+    ("0", r"gives every split a zero share"),
+    ("1,2,3,4", r"has 4 parts"),
+    ([90, 10], r"--split must be a string, got list"),
+])
+def test_malformed_split_is_one_line_naming_the_bad_value(split, match):
+    """Megatron-Core reads the digits out of any string (100,-5,5 was 100,5,5): refused here."""
+    with pytest.raises(ValueError, match=match) as error:
+        _config(blend=(["a"], None), split=split)
+    assert "\n" not in str(error.value) and "e.g. 969,30,1" in str(error.value)
+
+
+@pytest.mark.parametrize("split,shares", [
+    ("969,30,1", [0.969, 0.03, 0.001]), ("969, 30, 1", [0.969, 0.03, 0.001]), ("90/5/5", [0.9, 0.05, 0.05]),
+    ("3 1", [0.75, 0.25, 0.0]), ("1", [1.0, 0.0, 0.0]), (".5,0.5,0", [0.5, 0.5, 0.0]), ("-0,1", [0.0, 1.0, 0.0]),
+])
+def test_well_formed_splits_parse_as_megatron(split, shares):
+    from megatron_fsdp.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+    assert parse_and_normalize_split(split) == shares
+
+
 def test_split_leaving_train_empty_fails_before_building(tmp_path):
     prefix = str(tmp_path / "tiny")
     ref.write(prefix, [[[1, 2, 3, EOD]] for _ in range(10)])

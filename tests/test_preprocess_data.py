@@ -1,6 +1,7 @@
 """tools/preprocess_data.py end to end with each tokenizer; 1 vs 2 workers; partitions; errors."""
 
 import contextlib
+import gzip
 import importlib.util
 import io
 import json
@@ -22,6 +23,7 @@ TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 
 _spec = importlib.util.spec_from_file_location("preprocess_data", TOOL)
 preprocess_data = importlib.util.module_from_spec(_spec)
+sys.modules["preprocess_data"] = preprocess_data  # so that --workers > 1 can pickle Encoder.encode in run()
 _spec.loader.exec_module(preprocess_data)
 
 
@@ -180,3 +182,88 @@ def test_failed_run_leaves_no_partial_output(tmp_path):
                "--vocab-size", "100", "--workers", "1", check=False)
     assert proc.returncode != 0 and "in.jsonl:2" in proc.stderr
     assert not any(p.name.startswith("o_") for p in tmp_path.iterdir())
+
+
+NULL_FLAGS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+ONE_WORKER, TWO_WORKERS = ["--workers", "1"], ["--workers", "2"]
+TWO_PARTITIONS = ["--workers", "2", "--partitions", "2"]
+
+
+def _assert_one_error_line(proc, pattern):
+    """Exit code 1 (as every input error), one `error:` line matching `pattern`, no traceback."""
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+def _write_non_utf8(path):
+    """Five good lines, then (line 6) a 0xff byte 13 bytes in, after a 2-byte "é"; gzipped for .gz."""
+    good = "".join(json.dumps({"text": f"{i} {i}"}) + "\n" for i in range(5)).encode()
+    data = good + b'{"text": "\xc3\xa9 \xff 1"}\n' + good
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return str(path)
+
+
+@pytest.mark.parametrize("name,flags", [("in.jsonl", ONE_WORKER), ("in.jsonl", TWO_WORKERS),
+                                        ("in.jsonl", TWO_PARTITIONS), ("in.jsonl.gz", ONE_WORKER)])
+def test_a_byte_that_is_not_utf8_is_one_error_naming_file_line_and_offset(tmp_path, name, flags):
+    src = _write_non_utf8(tmp_path / name)
+    proc = run("--input", src, "--output-prefix", str(tmp_path / "o"), *NULL_FLAGS, *flags, check=False)
+    _assert_one_error_line(proc, re.escape(f"{src}:6: byte 0xff at byte offset 13 of the line is not valid "
+                                           "UTF-8"))
+    # No output, no partition file (checked while dealing lines), nothing temporary.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_a_byte_that_is_not_utf8_from_the_command_line(tmp_path):
+    src = _write_non_utf8(tmp_path / "in.jsonl")
+    proc = subprocess.run([sys.executable, TOOL, "--input", src, "--output-prefix", str(tmp_path / "o"),
+                           *NULL_FLAGS, *TWO_WORKERS], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    _assert_one_error_line(proc, r"in\.jsonl:6: byte 0xff at byte offset 13 of the line is not valid UTF-8")
+
+
+@pytest.mark.parametrize("flags", [ONE_WORKER, TWO_PARTITIONS])
+@pytest.mark.parametrize("content", ["", "\n  \n\n"])
+def test_an_input_with_no_document_is_refused_and_writes_nothing(tmp_path, content, flags):
+    previous = write_jsonl(tmp_path / "previous.jsonl", [{"text": "1 2"}])
+    run("--input", previous, "--output-prefix", str(tmp_path / "o"), *NULL_FLAGS, *ONE_WORKER)
+    kept = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    (tmp_path / "in.jsonl").write_text(content)
+    proc = run("--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "o"), *NULL_FLAGS, *flags,
+               check=False)
+    _assert_one_error_line(proc, r"no documents found in \S*in\.jsonl \(it is empty or holds only blank lines\)")
+    # The previous output is untouched; no empty pair, no partition file, nothing temporary.
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "in.jsonl"} == kept
+
+
+@pytest.mark.parametrize("flags", [ONE_WORKER, TWO_WORKERS, TWO_PARTITIONS])
+@pytest.mark.parametrize("records,keys,empty", [
+    ([{"text": ""}, {"text": [""]}, {"text": []}], ["text"], "text"),
+    ([{"text": "1", "title": ""}, {"text": "2", "title": [""]}], ["text", "title"], "title"),
+])
+def test_documents_without_any_token_are_refused(tmp_path, records, keys, empty, flags):
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    proc = run("--input", src, "--output-prefix", str(tmp_path / "o"), "--json-keys", *keys, "--append-eod",
+               *NULL_FLAGS, *flags, check=False)
+    _assert_one_error_line(proc, rf"in\.jsonl: all {len(records)} documents are empty under --json-keys {empty} "
+                                 r"\(every text tokenizes to no tokens\); nothing was written")
+    # Not even the partitions' .bin/.idx (the partition .jsonl files are kept, as Megatron keeps them).
+    assert not [p.name for p in tmp_path.iterdir() if p.suffix in (".bin", ".idx") or ".tmp" in p.name]
+
+
+def test_one_empty_partition_of_several_is_fine(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2"}])  # partition 1 gets no line
+    run("--input", src, "--output-prefix", str(tmp_path / "o"), *NULL_FLAGS, *TWO_PARTITIONS)
+    assert read(str(tmp_path / "o_text_document"))[:2] == ([[1, 2]], [0, 1])
+
+
+def test_partitions_of_a_gzipped_input(tmp_path):
+    """Partition files are plain text even when named after a .gz input (as Megatron writes them)."""
+    docs = [{"text": f"{i} {i + 1}"} for i in range(10)]
+    src = tmp_path / "in.jsonl.gz"
+    src.write_bytes(gzip.compress("".join(json.dumps(d) + "\n" for d in docs).encode()))
+    run("--input", str(src), "--output-prefix", str(tmp_path / "one"), *NULL_FLAGS, *ONE_WORKER)
+    run("--input", str(src), "--output-prefix", str(tmp_path / "two"), *NULL_FLAGS, *TWO_PARTITIONS,
+        "--keep-sequential-samples")
+    assert read(str(tmp_path / "one_text_document")) == read(str(tmp_path / "two_text_document"))

@@ -11,6 +11,10 @@ document. Workers keep the input order, so any `--workers` gives the same bytes.
 `--partitions N`, `--input` is a glob: its lines are dealt to N partition files, each is
 tokenized by its own process, and the results are merged in partition order. Progress goes to
 stderr: `Processed N documents (X docs/s, Y MB/s).`
+
+Bad input is one error line naming the file and line (bad JSON, a missing key, a byte that is not
+UTF-8), exit code 1, and no output. So is an input with no document (blank lines are skipped, where
+Megatron fails on them) or whose documents hold no token under a key: training would reject it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
@@ -34,6 +39,10 @@ from megatron_fsdp.datasets import indexed_dataset  # noqa: E402
 from megatron_fsdp.training.tokenizer import _add_tokenizer_args, build_tokenizer  # noqa: E402
 
 _MAX_SPLIT_CHARS = 1_000_000  # Megatron sentence-splits long texts in chunks of this many characters
+# Input is read with errors="surrogateescape": a byte that is not UTF-8 becomes one of these lone
+# surrogates (valid UTF-8 never decodes to them), so the line holding it can be named, not only a
+# position in the decoder's buffer.
+_UNDECODED_BYTE = re.compile("[\udc80-\udcff]")
 
 
 class _Failure:
@@ -43,8 +52,23 @@ class _Failure:
         self.message = message
 
 
-def _open_text(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+def _open_text(path: str, gzipped: Optional[bool] = None):
+    """Lines as Megatron reads them (`for line in file`, UTF-8); undecodable bytes are kept, see
+    _not_utf8, instead of failing the whole read with no line number. `gzipped` defaults to the
+    name ending in .gz."""
+    if path.endswith(".gz") if gzipped is None else gzipped:
+        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
+    return open(path, encoding="utf-8", errors="surrogateescape")
+
+
+def _not_utf8(line: str) -> Optional[str]:
+    """Why `line` (read by _open_text) is not UTF-8 text, or None."""
+    match = _UNDECODED_BYTE.search(line)
+    if match is None:
+        return None
+    offset = len(line[:match.start()].encode("utf-8", "surrogateescape"))
+    return (f"byte 0x{ord(match.group()) - 0xDC00:02x} at byte offset {offset} of the line is not valid UTF-8; "
+            "the input must be UTF-8 text")
 
 
 def _sentence_splitter(lang: str, keep_newlines: bool):
@@ -102,6 +126,9 @@ class Encoder:
 
     def encode(self, json_line: str):
         """`(ids per key, sequence lengths per key, input bytes)`, or a _Failure."""
+        not_utf8 = _not_utf8(json_line)
+        if not_utf8 is not None:
+            return _Failure(not_utf8)
         nbytes = len(json_line.encode("utf-8"))
         if not json_line.strip():
             return None, None, nbytes
@@ -142,8 +169,12 @@ class Encoder:
         return ids, lens, nbytes
 
 
-def _encode_partition(args, input_path: str, output_prefix: str, workers: int, level: str) -> Dict[str, str]:
-    """Tokenize one input file into `<output_prefix>_<key>_<level>.{bin,idx}`; returns the prefixes."""
+def _encode_partition(args, input_path: str, output_prefix: str, workers: int, level: str,
+                      partition: bool = False) -> Dict[str, str]:
+    """Tokenize one input file into `<output_prefix>_<key>_<level>.{bin,idx}`; returns the prefixes.
+    An input with no document, or no token under a key, is refused (_check_not_empty). A
+    `partition` of several may be empty (main checks their total), and is plain text even when
+    named after a .gz input, as Megatron's are."""
     tokenizer = build_tokenizer(args)
     dtype = indexed_dataset.DType.optimal_dtype(tokenizer.vocab_size)
     encoder = Encoder(args)
@@ -152,7 +183,7 @@ def _encode_partition(args, input_path: str, output_prefix: str, workers: int, l
     builders = {key: indexed_dataset.IndexedDatasetBuilder(indexed_dataset.get_bin_path(p), dtype=dtype)
                 for key, p in temporary.items()}
     print(f"Opening {input_path}", file=sys.stderr, flush=True)
-    with _open_text(input_path) as fin:
+    with _open_text(input_path, gzipped=False if partition else None) as fin:
         pool = None
         if workers > 1:
             pool = multiprocessing.Pool(workers, initializer=encoder.initializer)
@@ -161,11 +192,12 @@ def _encode_partition(args, input_path: str, output_prefix: str, workers: int, l
             encoder.initializer()
             encoded = map(encoder.encode, fin)
         start = time.time()
-        count = total_bytes = total_tokens = 0
+        count = total_bytes = 0
+        tokens = {key: 0 for key in args.json_keys}
         try:
             for line_number, result in enumerate(encoded, start=1):
                 if isinstance(result, _Failure):
-                    raise SystemExit(f"preprocess_data.py: error: {input_path}:{line_number}: {result.message}")
+                    raise _input_error(input_path, line_number, result.message)
                 doc, sentence_lens, nbytes = result
                 total_bytes += nbytes
                 if doc is None:  # a blank line
@@ -173,9 +205,11 @@ def _encode_partition(args, input_path: str, output_prefix: str, workers: int, l
                 count += 1
                 for key in args.json_keys:
                     builders[key].add_document(doc[key], sentence_lens[key])
-                    total_tokens += doc[key].size
+                    tokens[key] += doc[key].size
                 if count % args.log_interval == 0:
                     _report(count, total_bytes, start)
+            if not partition:
+                _check_not_empty(input_path, count, tokens)
         except BaseException:
             for key, prefix in temporary.items():  # no half-written .bin left behind
                 builders[key].data_file.close()
@@ -189,10 +223,26 @@ def _encode_partition(args, input_path: str, output_prefix: str, workers: int, l
         builders[key].finalize(indexed_dataset.get_idx_path(temporary[key]))
         _publish(temporary[key], prefix)
     elapsed = max(time.time() - start, 1e-9)
-    print(f"Done {input_path}: {count} documents, {total_tokens} tokens in {elapsed:.2f} s "
+    print(f"Done {input_path}: {count} documents, {sum(tokens.values())} tokens in {elapsed:.2f} s "
           f"({count / elapsed:.2f} docs/s, {total_bytes / elapsed / 1024 / 1024:.2f} MB/s).",
           file=sys.stderr, flush=True)
     return prefixes
+
+
+def _input_error(path: str, line_number: int, message: str) -> SystemExit:
+    return SystemExit(f"preprocess_data.py: error: {path}:{line_number}: {message}")
+
+
+def _check_not_empty(inputs: str, documents: int, tokens: Dict[str, int]) -> None:
+    """Refuse a dataset that training would only reject later: no document at all, or a
+    --json-keys key under which every document is empty (all its texts tokenize to nothing)."""
+    if documents == 0:
+        raise SystemExit(f"preprocess_data.py: error: no documents found in {inputs} (it is empty or holds only "
+                         "blank lines); nothing was written")
+    empty = [key for key, count in tokens.items() if count == 0]
+    if empty:
+        raise SystemExit(f"preprocess_data.py: error: {inputs}: all {documents} documents are empty under "
+                         f"--json-keys {' '.join(empty)} (every text tokenizes to no tokens); nothing was written")
 
 
 def _temporary(prefix: str) -> str:
@@ -238,16 +288,8 @@ def _write_partitions(args, inputs: List[str]) -> List[Tuple[str, str]]:
     # never sees a partition a killed run left half-written.
     outs = [open(f"{p}.tmp{os.getpid()}", "w", encoding="utf-8") for p, _ in names]
     try:
-        index = line_count = 0
-        for path in inputs:
-            with _open_text(path) as fin:
-                for line in fin:
-                    outs[index].write(line)
-                    if partition_size is not None:
-                        line_count += 1
-                        index = min(line_count // partition_size, args.partitions - 1)
-                    else:
-                        index = (index + 1) % args.partitions
+        if _deal_lines(args, inputs, outs, partition_size) == 0:
+            _check_not_empty(", ".join(inputs), 0, {})
     except BaseException:
         for f in outs:
             f.close()
@@ -257,6 +299,63 @@ def _write_partitions(args, inputs: List[str]) -> List[Tuple[str, str]]:
         f.close()
         os.replace(f.name, p)
     return names
+
+
+def _deal_lines(args, inputs: List[str], outs, partition_size: Optional[int]) -> int:
+    """Deal the input lines to the partition files; returns how many are documents (not blank).
+    Lines are checked for UTF-8 here, where the input file and line number are still known."""
+    index = line_count = documents = 0
+    for path in inputs:
+        with _open_text(path) as fin:
+            for line_number, line in enumerate(fin, start=1):
+                not_utf8 = _not_utf8(line)
+                if not_utf8 is not None:
+                    raise _input_error(path, line_number, not_utf8)
+                documents += bool(line.strip())
+                outs[index].write(line)
+                if partition_size is not None:
+                    line_count += 1
+                    index = min(line_count // partition_size, args.partitions - 1)
+                else:
+                    index = (index + 1) % args.partitions
+    return documents
+
+
+def _partition_totals(args, names: List[Tuple[str, str]], level: str) -> Tuple[int, Dict[str, int]]:
+    """(documents, tokens per key) over the partitions' outputs, read from their .idx files."""
+    documents, tokens = 0, {}
+    for key in args.json_keys:  # every line adds one document under each key: any key counts them
+        indexes = [indexed_dataset.IndexedDataset(f"{out}_{key}_{level}").index for _, out in names]
+        documents = sum(len(index.document_indices) - 1 for index in indexes)
+        tokens[key] = sum(int(index.sequence_lengths.sum()) for index in indexes)
+    return documents, tokens
+
+
+def _remove_partition_outputs(args, names: List[Tuple[str, str]], level: str) -> None:
+    for _, out in names:
+        for key in args.json_keys:
+            for path in (indexed_dataset.get_bin_path(f"{out}_{key}_{level}"),
+                         indexed_dataset.get_idx_path(f"{out}_{key}_{level}")):
+                os.unlink(path)
+
+
+def _merge_partitions(args, names: List[Tuple[str, str]], level: str, dtype, inputs: str) -> None:
+    """Merge the partitions' outputs, in partition order, into `<output-prefix>_<key>_<level>`.
+    Partitions may be empty one by one, not all together (_check_not_empty on the total)."""
+    documents, tokens = _partition_totals(args, names, level)
+    try:
+        _check_not_empty(inputs, documents, tokens)
+    except SystemExit:
+        _remove_partition_outputs(args, names, level)  # empty .bin/.idx pairs, not to be taken for a result
+        raise
+    for key in args.json_keys:
+        prefix = f"{args.output_prefix}_{key}_{level}"
+        builder = indexed_dataset.IndexedDatasetBuilder(indexed_dataset.get_bin_path(_temporary(prefix)), dtype=dtype)
+        for _, out in names:
+            builder.add_index(f"{out}_{key}_{level}")
+        builder.finalize(indexed_dataset.get_idx_path(_temporary(prefix)))
+        _publish(_temporary(prefix), prefix)
+        print(f"Merged {len(names)} partitions into {prefix}.bin/.idx", file=sys.stderr, flush=True)
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -321,7 +420,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     names = _write_partitions(args, inputs)
     workers = args.workers // args.partitions
     ctx = multiprocessing.get_context("fork")
-    processes = [ctx.Process(target=_encode_partition, args=(args, p, out, workers, level)) for p, out in names]
+    processes = [ctx.Process(target=_encode_partition, args=(args, p, out, workers, level, True))
+                 for p, out in names]
     for p in processes:
         p.start()
     for p in processes:
@@ -330,14 +430,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if failed:
         raise SystemExit(f"preprocess_data.py: error: tokenizing {', '.join(failed)} failed (see above)")
     dtype = indexed_dataset.DType.optimal_dtype(tokenizer.vocab_size)
-    for key in args.json_keys:
-        prefix = f"{args.output_prefix}_{key}_{level}"
-        builder = indexed_dataset.IndexedDatasetBuilder(indexed_dataset.get_bin_path(_temporary(prefix)), dtype=dtype)
-        for _, out in names:
-            builder.add_index(f"{out}_{key}_{level}")
-        builder.finalize(indexed_dataset.get_idx_path(_temporary(prefix)))
-        _publish(_temporary(prefix), prefix)
-        print(f"Merged {len(names)} partitions into {prefix}.bin/.idx", file=sys.stderr, flush=True)
+    _merge_partitions(args, names, level, dtype, ", ".join(inputs))
 
 
 if __name__ == "__main__":

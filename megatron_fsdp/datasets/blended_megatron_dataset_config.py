@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
@@ -90,21 +91,46 @@ def _check_blend(blend, where: str) -> None:
         check_weights(weights, where)
 
 
+# Shares are separated by commas (or slashes, or blanks, which Megatron's digit-picking regex also
+# accepts); each share is a plain decimal number, so "1e2", "nan" and "inf" are refused.
+_SPLIT_SEPARATOR = re.compile(r"\s*[,/]\s*|\s+")
+_SPLIT_SHARE = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
+_SPLIT_ALLOWED = ("--split takes up to three non-negative numbers separated by commas (train, valid, test), "
+                  "at least one of them positive, e.g. 969,30,1")
+
+
 def parse_and_normalize_split(split: str) -> List[float]:
-    """`"969,30,1"` -> `[0.969, 0.03, 0.001]`; missing trailing parts are 0."""
-    parts = re.findall(r"[.0-9]+", split)
-    try:
-        values = [float(x) for x in parts]
-    except ValueError:
-        values = None
-    if values is None or len(values) == 0 or len(values) > len(Split) \
-            or len(parts) != len([p for p in re.split(r"[,/\s]+", split.strip()) if p]):
-        raise ValueError(f"--split {split!r} must be up to three non-negative numbers separated by commas "
-                         "(train, valid, test), e.g. 969,30,1")
-    values += [0.0] * (len(Split) - len(values))
-    if sum(values) <= 0:
-        raise ValueError(f"--split {split!r} gives every split a zero share")
-    return normalize(values)
+    """`"969,30,1"` -> `[0.969, 0.03, 0.001]`; missing trailing parts are 0.
+
+    Stricter than Megatron-Core, whose `re.findall(r"[.0-9]+", split)` reads the digits out of
+    any string: there `100,-5,5` became `100,5,5` and `1,,1` became `1,1,0`. Here a malformed
+    split is a one-line ValueError naming the bad part."""
+    shares = [_parse_split_share(part, split) for part in _split_parts(split)]
+    if sum(shares) <= 0:
+        raise ValueError(f"--split {split!r} gives every split a zero share; {_SPLIT_ALLOWED}")
+    return normalize(shares + [0.0] * (len(Split) - len(shares)))
+
+
+def _split_parts(split: str) -> List[str]:
+    if not isinstance(split, str):
+        raise ValueError(f"--split must be a string, got {type(split).__name__} {split!r}; {_SPLIT_ALLOWED}")
+    if not split.strip():
+        raise ValueError(f"--split {split!r} is empty; {_SPLIT_ALLOWED}")
+    parts = _SPLIT_SEPARATOR.split(split.strip())
+    if len(parts) > len(Split):
+        raise ValueError(f"--split {split!r} has {len(parts)} parts; {_SPLIT_ALLOWED}")
+    return parts
+
+
+def _parse_split_share(part: str, split: str) -> float:
+    if not part:  # "1,,1" or a trailing comma: which share was meant is unclear
+        raise ValueError(f"--split {split!r} has an empty part; {_SPLIT_ALLOWED}")
+    share = float(part) if _SPLIT_SHARE.fullmatch(part) else math.nan
+    if not math.isfinite(share):
+        raise ValueError(f"--split {split!r}: {part!r} is not a finite number; {_SPLIT_ALLOWED}")
+    if share < 0:
+        raise ValueError(f"--split {split!r}: {part!r} is negative; {_SPLIT_ALLOWED}")
+    return share + 0.0  # "-0" is a zero share, not -0.0
 
 
 def convert_split_vector_to_split_matrix(vector_a: List[float],
