@@ -31,6 +31,7 @@ from pretrain_gpt import model_provider  # noqa: E402
 from megatron_fsdp import parallel_state  # noqa: E402
 from megatron_fsdp.training.arguments import parse_args  # noqa: E402
 from megatron_fsdp.training.checkpointing import load_checkpoint  # noqa: E402
+from megatron_fsdp.training.error_report import report_errors  # noqa: E402
 from megatron_fsdp.training.global_vars import get_tokenizer  # noqa: E402
 from megatron_fsdp.training.initialize import distributed_job, initialize_distributed, initialize_megatron  # noqa: E402
 from megatron_fsdp.training.training import setup_tokenizer  # noqa: E402
@@ -122,24 +123,25 @@ def main() -> None:
         raise SystemExit("generate_gpt.py needs --load CHECKPOINT_DIR")
     # One sequence at a time, of any length: nothing to split across tensor-parallel ranks.
     args.sequence_parallel = False
-    initialize_distributed(args)
-    with distributed_job():
-        initialize_megatron(args)
-        vocab_size = setup_tokenizer(args)
-        tokenizer = get_tokenizer()
-        model = model_provider()
-        loaded = load_checkpoint(model, None, None, args.load, load_optim=False, load_rng=False,
-                                 true_vocab_size=vocab_size, verify=not args.no_verify_checkpoint,
-                                 exit_on_missing_checkpoint=True)
-        print_rank_0(f"> loaded checkpoint {loaded['path']} (iteration {loaded['iteration']})")
-        model.eval()
-        generator = torch.Generator().manual_seed(args.seed)
-        for prompt in args.prompts:
-            continuation = generate(model, tokenizer.tokenize(prompt), args.num_tokens_to_generate,
-                                    vocab_size=vocab_size, eod=tokenizer.eod, max_length=args.max_position_embeddings,
-                                    top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
-                                    greedy=args.greedy, generator=generator)
-            print_rank_0(f"> prompt: {prompt!r}\n> generated: {tokenizer.detokenize(continuation)!r}")
+    with report_errors():  # an error from here on: one line for the job, exit code 1
+        initialize_distributed(args)
+        with distributed_job():
+            initialize_megatron(args)
+            vocab_size = setup_tokenizer(args)
+            tokenizer = get_tokenizer()
+            model = model_provider()
+            loaded = load_checkpoint(model, None, None, args.load, load_optim=False, load_rng=False,
+                                     true_vocab_size=vocab_size, verify=not args.no_verify_checkpoint,
+                                     exit_on_missing_checkpoint=True)
+            print_rank_0(f"> loaded checkpoint {loaded['path']} (iteration {loaded['iteration']})")
+            model.eval()
+            generator = torch.Generator().manual_seed(args.seed)
+            for prompt in args.prompts:
+                continuation = generate(model, tokenizer.tokenize(prompt), args.num_tokens_to_generate,
+                                        vocab_size=vocab_size, eod=tokenizer.eod,
+                                        max_length=args.max_position_embeddings, top_k=args.top_k, top_p=args.top_p,
+                                        temperature=args.temperature, greedy=args.greedy, generator=generator)
+                print_rank_0(f"> prompt: {prompt!r}\n> generated: {tokenizer.detokenize(continuation)!r}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """examples/pretrain_gpt.py with one injected fault, for tests/test_training_faults.py.
 
     torchrun ... tests/pretrain_with_faults.py <pretrain_gpt flags>
-    MEGATRON_FSDP_FAULT=nan|sigterm|stall  FAULT_RANK=r  FAULT_ITERATION=k  [FAULT_SECONDS=s]
+    MEGATRON_FSDP_FAULT=nan|signal|stall  FAULT_RANK=r  FAULT_ITERATION=k  [FAULT_SECONDS=s]  [FAULT_DIR=d]
 
-nan: rank r's embedding output becomes NaN in iteration k. sigterm: rank r
-sends itself SIGTERM after iteration k's step. stall: rank r sleeps s seconds
-before iteration k (a stuck rank). The script and the package are untouched:
-the fault wraps megatron_fsdp.training.training.train_step and the example's
-model_provider.
+nan: rank r's embedding output becomes NaN in iteration k. stall: rank r
+sleeps s seconds before iteration k (a stuck rank). signal: after iteration
+k's step every rank writes its pid to d/pid_<rank> and waits until the file
+d/go exists, writing d/received_<rank> once its --exit-signal-handler has
+seen a SIGTERM: the test signals the job from outside (a rank, torchrun, or
+every process group) while the ranks wait, then lets them go on. The script
+and the package are untouched: the fault wraps
+megatron_fsdp.training.training.train_step and the example's model_provider.
 """
 
 import os
@@ -29,6 +32,27 @@ ITERATION = int(os.environ["FAULT_ITERATION"])
 current = {"iteration": 0}
 here = int(os.environ["RANK"]) == RANK
 
+
+def _sigterm_seen() -> bool:
+    handler = signal.getsignal(signal.SIGTERM)  # DistributedSignalHandler._record, bound
+    return bool(getattr(getattr(handler, "__self__", None), "_received", False))
+
+
+def wait_for_signal(directory: str, timeout: float = 300.0) -> None:
+    rank = os.environ["RANK"]
+    with open(os.path.join(directory, f"pid_{rank}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(directory, f"pid_{rank}.tmp"), os.path.join(directory, f"pid_{rank}"))
+    reported, deadline = False, time.monotonic() + timeout
+    while not os.path.exists(os.path.join(directory, "go")):
+        if not reported and _sigterm_seen():
+            open(os.path.join(directory, f"received_{rank}"), "w").close()
+            reported = True
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no {directory}/go after {timeout} s")
+        time.sleep(0.05)
+
+
 original_train_step = training.train_step
 
 
@@ -37,8 +61,8 @@ def train_step(*args, iteration=None, **kwargs):
     if FAULT == "stall" and here and current["iteration"] == ITERATION:
         time.sleep(float(os.environ["FAULT_SECONDS"]))
     result = original_train_step(*args, iteration=iteration, **kwargs)
-    if FAULT == "sigterm" and here and current["iteration"] == ITERATION:
-        os.kill(os.getpid(), signal.SIGTERM)
+    if FAULT == "signal" and current["iteration"] == ITERATION:
+        wait_for_signal(os.environ["FAULT_DIR"])
     return result
 
 

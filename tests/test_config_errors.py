@@ -265,3 +265,39 @@ def _case_extract_layer_indices(sequence_parallel: bool):
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_extract_layer_indices(pools, sequence_parallel):
     pools(2).run(_case_extract_layer_indices, sequence_parallel)
+
+
+SPLIT_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+               "--micro-batch-size", "2", "--lr", "1e-3", "--vocab-size", "64", "--train-iters", "4",
+               "--data-path", "corpus_text_document"]
+
+
+def _parse_on_rank(rank, *flags):
+    import os
+    from unittest import mock
+
+    from megatron_fsdp.training.arguments import parse_args
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": str(rank)}):
+        return parse_args([*SPLIT_FLAGS, *flags])
+
+
+@pytest.mark.parametrize("split,message", [
+    ("100,-5,5", "--split '100,-5,5': '-5' is negative; --split takes up to three non-negative numbers"),
+    ("90,x,10", "--split '90,x,10': 'x' is not a finite number"),
+    ("0,0,0", "--split '0,0,0' gives every split a zero share"),
+    ("1,,1", "--split '1,,1' has an empty part"),
+])
+def test_a_bad_split_flag_is_one_line_on_rank_zero_with_exit_code_2(split, message, capsys):
+    """As the other flag errors (training/arguments.py): before any process group, not a traceback per rank."""
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_on_rank(0, "--split", split)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_on_rank(1, "--split", split)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_a_good_split_flag_and_the_default_pass():
+    assert _parse_on_rank(0, "--split", "98,2").split == "98,2"
+    assert _parse_on_rank(0).split == "969, 30, 1"

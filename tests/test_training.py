@@ -2,14 +2,18 @@
 TensorBoard scalars with Megatron's names, TFLOP/s equal to Megatron's formula,
 and a resume at another data-parallel size that continues with the same samples."""
 
+import glob
 import importlib.util
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from job_output import assert_one_line_error, error_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4", "--group-query-attention",
@@ -104,6 +108,7 @@ def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference):
                         "--eval-iters", "0")
     out = resumed.stdout
     assert "loaded checkpoint" in out and "at iteration 3" in out
+    assert "padded vocabulary" not in out  # same TP size: same padding
     got = {int(m[1]): m for m in map(LINE.search, out.splitlines()) if m}
     assert sorted(got) == [4, 5, 6]
     for iteration in (4, 5, 6):
@@ -119,11 +124,58 @@ def test_resume_with_other_model_flags_is_refused_before_loading(reference):
                            os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN,
                            "--hidden-size", "64", "--load", str(tmp / "ckpt"), "--eval-iters", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
-    for rank in (0, 1):
-        assert any(line.startswith(f"[rank{rank}]:") and "saved with other model flags: --hidden-size 48 (now 64)"
-                   in line for line in output.splitlines()), output[-3000:]
+    assert proc.returncode == 1
+    assert_one_line_error(proc.stderr, "saved with other model flags: --hidden-size 48 (now 64)")
+
+
+def _checkpoint_at_iteration_3(reference, tmp_path) -> str:
+    """A copy of the reference run's checkpoints whose tracker names iteration 3."""
+    tmp, _, _ = reference
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(tmp / "ckpt", ckpt)
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3\n")
+    return ckpt
+
+
+def test_a_changed_schedule_is_refused_before_any_shard_is_read(reference, tmp_path):
+    """--train-iters 8 where the checkpoint's run had 6 (a longer decay) without
+    --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler: the error comes from
+    the checkpoint's common.pt alone. Its shards are deleted here, so reading (or checksumming)
+    any of them first would fail differently."""
+    ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
+    for shard in glob.glob(os.path.join(ckpt, "iter_0000003", "*.distcp")):
+        os.remove(shard)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN,
+                           "--train-iters", "8", "--load", ckpt, "--eval-iters", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 1
+    assert_one_line_error(proc.stderr, "the learning-rate schedule differs from the checkpoint's: "
+                          "OptimizerParamScheduler: this run's lr_decay_steps (total number of iterations) is 64 but "
+                          "the checkpoint's is 48")
+    assert "--override-opt-param-scheduler" in error_lines(proc.stderr)[0][3]
+
+
+def test_a_resume_at_another_tp_size_warns_once_that_the_padded_vocabulary_changed(reference, tmp_path):
+    """Saved at TP=2 (vocabulary 64 padded to 256 rows), resumed at TP=1 (128 rows): the padding
+    logits enter the softmax as in Megatron, so the loss moves; rank 0 says so, once, and how to
+    keep the padding. With that flag the run continues with the saved run's losses."""
+    ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
+    _, rows, _ = reference
+    kept = _pretrain(2, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256", "--load", ckpt,
+                     "--eval-iters", "0")
+    assert "padded vocabulary" not in kept.stdout
+    got = {int(m[1]): float(m[6]) for m in map(LINE.search, kept.stdout.splitlines()) if m}
+    assert got == pytest.approx({i: float(rows[i][6]) for i in (4, 5, 6)}, rel=2e-5)
+
+    resumed = _pretrain(2, "--tensor-model-parallel-size", "1", "--load", ckpt, "--eval-iters", "0")
+    warnings = [line for line in resumed.stdout.splitlines() if "padded vocabulary" in line]
+    assert warnings == ["> WARNING: the padded vocabulary is 128 rows, the checkpoint's 256 (it is padded to a "
+                        "multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size): the padding "
+                        "logits enter the softmax, as in Megatron, so the loss will not continue from the saved "
+                        "run's value (--make-vocab-size-divisible-by 256 keeps the checkpoint's padding)"], \
+        resumed.stdout[-3000:]
 
 
 def test_fp8_training_resumes_exactly(tmp_path):
@@ -163,9 +215,7 @@ def test_token_ids_beyond_the_vocabulary_stop_every_rank_before_training(tmp_pat
          "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2", "--data-path", prefix,
          "--split", "80,10,10", "--vocab-size", "50", "--eval-iters", "1", "--data-cache-path",
          str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
-    assert "iteration        1/" not in output
-    for rank in (0, 1):
-        errors = [line for line in output.splitlines() if line.startswith(f"[rank{rank}]: ValueError")]
-        assert errors and "corpus_text_document" in errors[0] and "50" in errors[0], output[-3000:]
+    assert proc.returncode == 1
+    assert "iteration        1/" not in proc.stdout + proc.stderr
+    assert_one_line_error(proc.stderr, "corpus_text_document")
+    assert "50" in error_lines(proc.stderr)[0][3]

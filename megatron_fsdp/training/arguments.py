@@ -259,10 +259,17 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--lr must be positive, got {args.lr}")
     _validate_model(parser, args)
     _validate_parallel_and_batch(parser, args)
+    _validate_model_shapes(parser, args)
     _validate_schedule(parser, args)
     _validate_data(parser, args)
     _validate_logging(parser, args)
     _validate_fp8(parser, args)
+    # Last, whatever else TransformerConfig checks (recomputation, fusions, ...): building it
+    # does no communication and touches no device.
+    try:
+        core_transformer_config_from_args(args)
+    except (ValueError, NotImplementedError) as exc:
+        parser.error(f"the model flags are inconsistent: {exc}")
 
 
 def _validate_model(parser, args) -> None:
@@ -284,6 +291,37 @@ def _validate_model(parser, args) -> None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
+
+
+def _validate_model_shapes(parser, args) -> None:
+    """The model's shape rules, here so that they fail before start-up (on
+    every rank alike, one line) instead of in the model provider after it."""
+    tp = args.tensor_model_parallel_size
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if heads % tp != 0:
+        parser.error(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp} "
+                     "(each tensor-parallel rank holds whole heads)")
+    if args.group_query_attention:
+        if groups < 1 or heads % groups != 0:
+            parser.error(f"--num-query-groups {groups} must be >= 1 and divide --num-attention-heads {heads}")
+        if groups % tp != 0:
+            parser.error(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp} "
+                         "(each tensor-parallel rank holds whole key/value groups)")
+    if args.kv_channels < 1:
+        parser.error(f"--kv-channels must be >= 1, got {args.kv_channels}")
+    if args.ffn_hidden_size < 1 or args.ffn_hidden_size % tp != 0:
+        parser.error(f"--ffn-hidden-size {args.ffn_hidden_size} must be >= 1 and divisible by "
+                     f"--tensor-model-parallel-size {tp}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    if args.position_embedding_type == "rope":
+        if not 0.0 < args.rotary_percent <= 1.0:
+            parser.error(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+        dim = int(args.kv_channels * args.rotary_percent)
+        if dim < 2 or dim % 2 != 0:
+            parser.error(f"RoPE rotates kv-channels x --rotary-percent = {args.kv_channels} x "
+                         f"{args.rotary_percent} = {dim} dimensions: it must be a positive even number")
 
 
 def _validate_parallel_and_batch(parser, args) -> None:
@@ -362,6 +400,8 @@ def _validate_data(parser, args) -> None:
         parser.error("--split applies to --data-path only")
     if args.data_path and args.split is None:
         args.split = "969, 30, 1"
+    if args.split is not None:
+        _check_split(parser, args.split)
     needs = {"NullTokenizer": ("vocab_size",), "GPT2BPETokenizer": ("vocab_file", "merge_file"),
              "HuggingFaceTokenizer": ("tokenizer_model",)}[args.tokenizer_type]
     missing = [f"--{n.replace('_', '-')}" for n in needs if getattr(args, n) is None]
@@ -371,6 +411,16 @@ def _validate_data(parser, args) -> None:
         parser.error(f"--vocab-size must be >= 2, got {args.vocab_size}")
     # Set from the tokenizer's vocabulary when the tokenizer is built.
     args.padded_vocab_size = None
+
+
+def _check_split(parser, split: str) -> None:
+    # The dataset config parses --split only once the process groups are up, on every rank: a bad
+    # value found there is a traceback per rank. Parsing it here makes it a flag error like the others.
+    from ..datasets.blended_megatron_dataset_config import parse_and_normalize_split
+    try:
+        parse_and_normalize_split(split)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def _validate_logging(parser, args) -> None:

@@ -18,9 +18,11 @@ manifest; the tracker is replaced after that (see dist_checkpointing.publish).
 A save that dies part-way leaves the previous checkpoint as the latest.
 
 Loading: rank 0 alone reads the tracker and the manifest and broadcasts what
-it found, so every rank loads the same iteration; the ranks split the
-checksum verification; every check that can fail runs before any data is
-read, and every rank raises the same CheckpointError. DCP then reads the
+it found, so every rank loads the same iteration; common.pt and the DCP
+metadata are verified and checked first (model flags, learning-rate
+schedule, optimizer state), then the ranks split the checksum verification
+of the rest; every check that can fail runs before any shard is read, and
+every rank raises the same CheckpointError. DCP then reads the
 shards the current layout needs (any TP x DP, across vocabulary padding
 given the true vocabulary size). RNG states are restored only when the
 layout is the one saved.
@@ -40,6 +42,7 @@ import logging
 import os
 import random
 import shutil
+import types
 from typing import Callable, Optional
 
 import torch
@@ -61,6 +64,8 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CKPT_FORMAT = "torch_dcp"
 _FORMAT_VERSION = 2
 _COMMON = "common.pt"
+# Read and checked before the shards: what the checkpoint says about itself.
+_HEAD_FILES = (_COMMON, ".metadata")
 
 logger = logging.getLogger(__name__)
 
@@ -318,6 +323,30 @@ def _grad_scaler_to_load(path: str, common: dict, optimizer, load_optim: bool) -
     return saved
 
 
+def _check_scheduler(opt_param_scheduler, saved: dict) -> None:
+    """The scheduler's own load-time check (a changed schedule needs
+    override_opt_param_scheduler or use_checkpoint_opt_param_scheduler), run on
+    a copy that steers no optimizer, so that it can refuse before any shard is read."""
+    probe = copy.copy(opt_param_scheduler)
+    probe.optimizer = types.SimpleNamespace(param_groups=[])
+    try:
+        probe.load_state_dict(saved)
+    except (ValueError, KeyError) as exc:
+        # (raise_if_any_failed names the checkpoint)
+        raise CheckpointError(f"the learning-rate schedule differs from the checkpoint's: {exc}") from exc
+
+
+def _padded_vocab_sizes(model: nn.Module, saved: dict, state: dict) -> Optional[tuple[int, int]]:
+    """(rows saved, rows now) of the vocabulary tables when the padding differs, else None."""
+    for name in vocab_param_names(torch_dcp.unwrap(model)):
+        before, now = saved.get(f"model.{name}"), state.get("model", {}).get(name)
+        if before is None or now is None or not hasattr(before, "size"):
+            continue
+        if int(before.size[0]) != int(now.shape[0]):
+            return int(before.size[0]), int(now.shape[0])
+    return None
+
+
 def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, load_dir: str = None, *,
                     iteration: Optional[int] = None, load_optim: bool = True, load_rng: bool = True,
                     true_vocab_size: Optional[int] = None, verify: bool = True,
@@ -338,7 +367,13 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     `check_extra_state(extra_state)` may raise CheckpointError to refuse
     the checkpoint before any shard is read (the training flags, say).
 
-    Returns {"iteration", "extra_state", "rng_restored", "path", "missing"}.
+    The scheduler's schedule is checked against the checkpoint's before any
+    shard is read too (a change needs the scheduler's
+    override_opt_param_scheduler or use_checkpoint_opt_param_scheduler).
+
+    Returns {"iteration", "extra_state", "rng_restored", "path", "missing",
+    "padded_vocab_size"}; the last is (rows saved, rows now) of the
+    vocabulary tables when the two paddings differ (another TP size), else None.
     When `load_dir` is missing, empty, or a file, that is iteration 0 with
     "missing" saying why (the caller warns and starts from scratch), or with
     `exit_on_missing_checkpoint` (--exit-on-missing-checkpoint) a
@@ -353,16 +388,30 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
             raise CheckpointError(f"{found['missing']}; --exit-on-missing-checkpoint stops here instead "
                                   "of training from scratch")
         return {"iteration": 0, "extra_state": {}, "rng_restored": False, "path": None,
-                "missing": found["missing"]}
+                "missing": found["missing"], "padded_vocab_size": None}
     path = found["path"]
+    manifest = found["manifest"] or {}
+    head = {name: entry for name, entry in manifest.items() if name in _HEAD_FILES}
     if verify:
-        checksums.verify(path, found["manifest"])
+        checksums.verify(path, head)
 
-    error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(core.rank()))
+    # What the checkpoint says about itself (common.pt and the DCP metadata, a few
+    # kilobytes) is checked first: a refusal costs no read of the shards.
+    error, common, saved = None, None, None
     try:
         common, saved = _read_common(path, optimizer, opt_param_scheduler, load_optim)
         if check_extra_state is not None:
             check_extra_state(common["extra_state"])
+        if load_optim and opt_param_scheduler is not None:
+            _check_scheduler(opt_param_scheduler, common["opt_param_scheduler"])
+    except CheckpointError as exc:
+        error = exc
+    core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
+    if verify:
+        checksums.verify(path, {name: entry for name, entry in manifest.items() if name not in head})
+
+    error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(core.rank()))
+    try:
         scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
         state, rows = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
                                              common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
@@ -374,6 +423,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
         error = exc
     core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
 
+    padded = _padded_vocab_sizes(model, saved, state)
     torch_dcp.load_sharded(path, model, optimizer, state, rows)
     if has_fp8_linears(model):
         # Histories back (fresh ones from a checkpoint saved without fp8) and the
@@ -386,7 +436,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     if restore_rng:
         _set_rng_state(torch.load(rng_path, weights_only=True))
     return {"iteration": common["iteration"], "extra_state": common["extra_state"], "rng_restored": restore_rng,
-            "path": path, "missing": None}
+            "path": path, "missing": None, "padded_vocab_size": padded}
 
 
 # ---------------------------------------------------------------------- training state

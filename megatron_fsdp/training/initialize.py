@@ -19,6 +19,7 @@ import os
 import random
 import sys
 from datetime import timedelta
+from typing import Optional
 
 import numpy as np
 import torch
@@ -88,11 +89,40 @@ class distributed_job:
         return False
 
 
+def gpu_shortage(backend: str, local_world_size: int, local_rank: int) -> Optional[str]:
+    """Why this node cannot give each of its processes a GPU of its own, or None.
+
+    NCCL needs one GPU per process; with more processes than GPUs it fails
+    deep in the first collective (or at set_device) with a traceback per rank.
+    """
+    if backend != "nccl":
+        return None
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_world_size <= visible and local_rank < visible:
+        return None
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={devices})" if devices is not None else ""
+    if visible == 0:
+        return (f"the nccl backend needs GPUs and none is visible{shown}: use --distributed-backend gloo to run "
+                "on the CPU")
+    return (f"{local_world_size} processes on this node but {visible} GPU{'s' if visible != 1 else ''} "
+            f"visible{shown}; NCCL needs one GPU per process: start at most {visible} per node "
+            f"(torchrun --nproc-per-node {visible}), or use --distributed-backend gloo to run on the CPU")
+
+
 def initialize_distributed(args, store=None) -> None:
-    """The default process group, from torchrun's environment."""
+    """The default process group, from torchrun's environment. More processes
+    on this node than visible GPUs (NCCL) is a usage error, before any
+    communication: one line (the node's first process prints it), exit code 2."""
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    problem = gpu_shortage(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank)
+    if problem:
+        if local_rank == 0:
+            print(f"{os.path.basename(sys.argv[0])}: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
     else:
         # Worker processes on one machine share its cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

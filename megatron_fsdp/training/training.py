@@ -19,6 +19,10 @@ samples consumed, as in Megatron. After it: the log line, validation every
 --eval-interval, a checkpoint every --save-interval, and the exit checks
 (--exit-signal-handler, --exit-interval, --exit-duration-in-mins), each of
 which saves before stopping every rank at the same iteration.
+
+A bad flag ends the job before start-up (one line on rank 0, exit code 2);
+an error after it is one line for the whole job and exit code 1
+(training/error_report.py).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from .arguments import parse_args
 from .checkpointing import load_training_checkpoint, save_training_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators
 from .dist_signal_handler import DistributedSignalHandler
+from .error_report import report_errors
 from .evaluation import evaluate, evaluate_and_print_results
 from .flops import num_floating_point_operations
 from .global_vars import get_args, set_tokenizer
@@ -74,16 +79,23 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
         raise ValueError(f"pretrain: model_type {model_type!r} is not supported (only "
                          "ModelType.encoder_or_decoder)")
     args = parse_args(extra_args_provider=extra_args_provider, defaults=args_defaults)
-    initialize_distributed(args, store)
-    with distributed_job():
-        beacon = ProgressBeacon()
-        try:
-            initialize_megatron(args)
-            _pretrain(args, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, beacon)
-        except RuntimeError as exc:
-            if is_timeout(exc):
-                raise CollectiveTimeoutError(beacon.explain_timeout(exc)) from exc
-            raise
+    # From here on an error is one line, once for the job, and exit code 1 (see error_report).
+    with report_errors():
+        initialize_distributed(args, store)
+        with distributed_job():
+            beacon = ProgressBeacon()
+            # Installed before the data loaders start their worker processes, so that a SIGTERM
+            # during start-up is also honoured (after the first iteration, as in Megatron).
+            handler = DistributedSignalHandler() if args.exit_signal_handler else contextlib.nullcontext()
+            try:
+                with handler as signal_handler:
+                    initialize_megatron(args)
+                    _pretrain(args, train_valid_test_dataset_provider, model_provider, model_type,
+                              forward_step_func, beacon, signal_handler)
+            except RuntimeError as exc:
+                if is_timeout(exc):
+                    raise CollectiveTimeoutError(beacon.explain_timeout(exc)) from exc
+                raise
 
 
 def setup_tokenizer(args) -> int:
@@ -97,7 +109,8 @@ def setup_tokenizer(args) -> int:
     return vocab_size
 
 
-def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_func, beacon) -> None:
+def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_func, beacon,
+              signal_handler: Optional[DistributedSignalHandler] = None) -> None:
     train_start = time.time()
     true_vocab_size = setup_tokenizer(args)
     print_rank_last(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size} x "
@@ -119,7 +132,8 @@ def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_f
             print_rank_0("training ...")
             iteration, flops, exit_reason = train(
                 forward_step_func, model, optimizer, opt_param_scheduler, train_iterator, valid_iterator, config,
-                args=args, logger=logger, beacon=beacon, train_start=train_start, true_vocab_size=true_vocab_size)
+                args=args, logger=logger, beacon=beacon, train_start=train_start, true_vocab_size=true_vocab_size,
+                signal_handler=signal_handler)
             saved_last = args.save_interval and iteration % args.save_interval == 0
             if exit_reason is None and args.save and iteration > args.iteration and not saved_last:
                 _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
@@ -233,8 +247,20 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
         else:
             print_rank_last(f"> loaded checkpoint from {args.load} at iteration {loaded['iteration']}"
                             + ("" if loaded["rng_restored"] else " (RNG states not restored: other layout)"))
+            if loaded.get("padded_vocab_size"):
+                print_rank_0(padded_vocab_warning(*loaded["padded_vocab_size"], args.tensor_model_parallel_size))
     update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
     return model, optimizer, opt_param_scheduler
+
+
+def padded_vocab_warning(saved_rows: int, rows: int, tp: int) -> str:
+    # Megatron's arithmetic: the padding rows' logits (zero-filled weights at first) enter the
+    # softmax, so a different padding changes the loss although the real tokens' weights do not.
+    keep = (f" (--make-vocab-size-divisible-by {saved_rows // tp} keeps the checkpoint's padding)"
+            if saved_rows % tp == 0 else "")
+    return (f"> WARNING: the padded vocabulary is {rows} rows, the checkpoint's {saved_rows} (it is padded to a "
+            "multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size): the padding logits enter "
+            f"the softmax, as in Megatron, so the loss will not continue from the saved run's value{keep}")
 
 
 # ---------------------------------------------------------------------- the loop
@@ -326,9 +352,11 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration:
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
           config, *, args, logger: TrainingLogger, beacon: ProgressBeacon, train_start: float,
-          true_vocab_size: Optional[int] = None):
+          true_vocab_size: Optional[int] = None, signal_handler: Optional[DistributedSignalHandler] = None):
     """The training loop from args.iteration to args.train_iters. Returns
-    (iteration, FLOPs so far, why it stopped early or None)."""
+    (iteration, FLOPs so far, why it stopped early or None). With
+    --exit-signal-handler, `signal_handler` is pretrain()'s (installed before
+    the data loaders started); without one the loop installs its own."""
     for chunk in model:
         chunk.train()
     config.grad_scale_func = optimizer.scale_loss
@@ -340,7 +368,10 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     num_microbatches = get_num_microbatches()
     dp = parallel_state.get_data_parallel_world_size()
     exit_reason = None
-    handler = DistributedSignalHandler() if args.exit_signal_handler else contextlib.nullcontext()
+    if signal_handler is not None or not args.exit_signal_handler:
+        handler = contextlib.nullcontext(signal_handler)
+    else:
+        handler = DistributedSignalHandler()
     with handler as signal_handler:
         while iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)

@@ -10,6 +10,7 @@ data-parallel size the same global batches are only divided differently between 
 from __future__ import annotations
 
 import random
+import signal
 
 import numpy as np
 import torch
@@ -69,7 +70,22 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args=None):
         raise ValueError(f"--dataloader-type {dataloader_type} is not supported (single, cyclic or external)")
     num_workers = int(getattr(args, "num_workers", 2))
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
+                                       pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+                                       worker_init_fn=ignore_termination_signals if num_workers > 0 else None)
+
+
+def ignore_termination_signals(worker_id: int) -> None:
+    """A data loader worker's `worker_init_fn`: ignore SIGTERM and SIGINT.
+
+    torchrun and schedulers (SLURM, Kubernetes) signal a rank's whole process
+    group, its data loader workers included. A worker that dies of it makes
+    the rank fail ("DataLoader worker ... is killed by signal: Terminated")
+    before --exit-signal-handler can save. The workers need no signal of
+    their own: the DataLoader shuts them down, and their watchdog ends them
+    when the rank dies.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _check_layout(micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int) -> None:

@@ -1,0 +1,78 @@
+"""What load_checkpoint checks before it reads a shard (the learning-rate schedule), and
+what it reports about the vocabulary padding (2 ranks, gloo)."""
+
+import glob
+import os
+
+import pytest
+import torch.distributed as dist
+
+from helpers import make_config, setup_parallel
+from megatron_fsdp.models.gpt import GPTModel
+from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron_fsdp.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+
+TRUE_VOCAB = 100
+
+
+def _scheduler(optimizer, decay_steps: int = 48, **flags) -> OptimizerParamScheduler:
+    return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=0,
+                                   lr_decay_steps=decay_steps, lr_decay_style="linear", start_wd=0.01, end_wd=0.01,
+                                   use_checkpoint_opt_param_scheduler=False, **flags)
+
+
+def _build(tp: int, vocab_rows: int):
+    setup_parallel(tp)
+    model = GPTModel(make_config(), vocab_size=vocab_rows, max_sequence_length=16)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2), model)
+    return model, optimizer, _scheduler(optimizer)
+
+
+def _case_save(ckpt: str, tp: int, vocab_rows: int) -> None:
+    model, optimizer, scheduler = _build(tp, vocab_rows)
+    scheduler.step(8)
+    save_checkpoint(1, model, optimizer, scheduler, ckpt, true_vocab_size=TRUE_VOCAB)
+
+
+def _case_schedule_checked_before_the_shards(ckpt: str) -> None:
+    # The shards are gone: a check that came after reading (or checksumming) them would fail otherwise.
+    if dist.get_rank() == 0:
+        for shard in glob.glob(os.path.join(ckpt, "iter_0000001", "*.distcp")):
+            os.remove(shard)
+    dist.barrier()
+    model, optimizer, _ = _build(2, 128)
+    scheduler = _scheduler(optimizer, decay_steps=64)
+    with pytest.raises(CheckpointError, match=r"the learning-rate schedule differs from the checkpoint's: "
+                                              r"OptimizerParamScheduler: this run's lr_decay_steps .* is 64 but the "
+                                              r"checkpoint's is 48: set override_opt_param_scheduler "
+                                              r"\(--override-opt-param-scheduler\)"):
+        load_checkpoint(model, optimizer, scheduler, ckpt)
+    assert (scheduler.num_steps, scheduler.lr_decay_steps) == (0, 64)  # untouched
+    assert optimizer.param_groups[0]["lr"] == scheduler.get_lr()
+    # With the override the schedule passes, and the missing shards are what stops the load next.
+    scheduler = _scheduler(optimizer, decay_steps=64, override_opt_param_scheduler=True)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp"):
+        load_checkpoint(model, optimizer, scheduler, ckpt)
+
+
+def test_a_changed_schedule_is_refused_before_any_shard_is_read(pools, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    pools(2).run(_case_save, ckpt, 2, 128)
+    pools(2).run(_case_schedule_checked_before_the_shards, ckpt)
+
+
+def _case_load(ckpt: str, tp: int, vocab_rows: int):
+    model, optimizer, scheduler = _build(tp, vocab_rows)
+    loaded = load_checkpoint(model, optimizer, scheduler, ckpt, true_vocab_size=TRUE_VOCAB)
+    assert scheduler.num_steps == 8
+    return loaded["padded_vocab_size"]
+
+
+def test_load_reports_a_different_vocabulary_padding(pools, tmp_path):
+    """Saved with 128 vocabulary rows at TP=2: loaded into 104 rows at TP=1 it says (128, 104),
+    into the same 128 rows nothing."""
+    ckpt = str(tmp_path / "ckpt")
+    pools(2).run(_case_save, ckpt, 2, 128)
+    assert pools(2).run(_case_load, ckpt, 1, 104) == [(128, 104)] * 2
+    assert pools(2).run(_case_load, ckpt, 2, 128) == [None] * 2

@@ -1,0 +1,125 @@
+"""Mistakes in the flags or the launch that are usage errors: one line on rank 0, exit code 2,
+before any work or communication (training/arguments.py, training/initialize.py)."""
+
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from unittest import mock
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64", "--train-iters", "4"]
+
+
+def _parse(*flags, world_size=4, rank=0):
+    from megatron_fsdp.training.arguments import parse_args
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world_size), "RANK": str(rank)}):
+        return parse_args([*BASE, *flags])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-attention-heads", "6", "--hidden-size", "60", "--tensor-model-parallel-size", "4"],
+     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    (["--group-query-attention", "--num-query-groups", "3"],
+     "--num-query-groups 3 must be >= 1 and divide --num-attention-heads 4"),
+    (["--group-query-attention", "--num-query-groups", "2", "--num-attention-heads", "8",
+      "--tensor-model-parallel-size", "4"], "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4: set --kv-channels"),
+    (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],
+     "--ffn-hidden-size 30 must be >= 1 and divisible by --tensor-model-parallel-size 4"),
+    (["--kv-channels", "0"], "--kv-channels must be >= 1, got 0"),
+    (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30",
+      "--max-position-embeddings", "32"], "--sequence-parallel needs --seq-length (30) divisible by"),
+    (["--position-embedding-type", "rope", "--hidden-size", "12"],
+     "RoPE rotates kv-channels x --rotary-percent = 3 x 1.0 = 3 dimensions: it must be a positive even number"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1], got 1.5"),
+    (["--hidden-dropout", "1.0"], "--hidden-dropout must be in [0, 1), got 1.0"),
+    # Whatever else TransformerConfig checks, by building it.
+    (["--recompute-granularity", "full"], "the model flags are inconsistent: recompute_granularity='full' needs "
+                                          "recompute_method 'uniform' or 'block'"),
+])
+def test_model_shape_flags_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(*flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    with pytest.raises(SystemExit) as exit_info:  # the other ranks stop alike, silently
+        _parse(*flags, rank=1)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_a_good_model_still_parses():
+    args = _parse("--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "2",
+                  "--position-embedding-type", "rope", "--swiglu", "--sequence-parallel")
+    assert (args.num_query_groups, args.kv_channels, args.sequence_parallel) == (2, 16, True)
+
+
+def test_heads_not_divisible_by_tp_stops_the_script_before_any_communication():
+    """Through the script as torchrun starts it (rank 0 of 4), with no rendezvous to reach:
+    one line and exit code 2 before any process group exists."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4")
+    env.pop("MASTER_ADDR", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *BASE,
+                           "--num-attention-heads", "6", "--hidden-size", "60", "--tensor-model-parallel-size", "4"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4 "
+        "(each tensor-parallel rank holds whole heads)"]
+
+
+# ---------------------------------------------------------------------- more processes than GPUs
+
+
+def _fake_gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.parametrize("backend, gpus, local_world_size, local_rank, expected", [
+    ("nccl", 1, 4, 0, "4 processes on this node but 1 GPU visible; NCCL needs one GPU per process: start at most "
+                      "1 per node (torchrun --nproc-per-node 1), or use --distributed-backend gloo to run on the CPU"),
+    ("nccl", 2, 4, 3, "4 processes on this node but 2 GPUs visible"),
+    ("nccl", 0, 1, 0, "the nccl backend needs GPUs and none is visible"),
+    ("nccl", 4, 4, 3, None),
+    ("nccl", 8, 2, 1, None),
+    ("gloo", 0, 4, 0, None),
+    ("gloo", 1, 4, 3, None),
+])
+def test_gpu_shortage(monkeypatch, backend, gpus, local_world_size, local_rank, expected):
+    from megatron_fsdp.training.initialize import gpu_shortage
+    _fake_gpus(monkeypatch, gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    problem = gpu_shortage(backend, local_world_size, local_rank)
+    assert problem == expected if expected is None else expected in problem, problem
+
+
+@pytest.mark.parametrize("local_rank", [0, 2])
+def test_more_processes_than_gpus_is_one_line_before_any_collective(monkeypatch, capsys, local_rank):
+    """torchrun --nproc-per-node 4 on a 1-GPU machine with the NCCL backend (simulated): the
+    node's first process prints one line, every process exits with code 2, and neither the
+    process group nor the device is touched."""
+    from megatron_fsdp.training import initialize
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    touched = []
+    monkeypatch.setattr(initialize.dist, "init_process_group", lambda *a, **k: touched.append("init_process_group"))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a, **k: touched.append("set_device"))
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        initialize.initialize_distributed(Namespace(distributed_backend=None, distributed_timeout_minutes=10))
+    assert exit_info.value.code == 2 and touched == []
+    err = capsys.readouterr().err.strip().splitlines()
+    if local_rank == 0:
+        assert err == ["pretrain_gpt.py: error: 4 processes on this node but 1 GPU visible (CUDA_VISIBLE_DEVICES=0); "
+                       "NCCL needs one GPU per process: start at most 1 per node (torchrun --nproc-per-node 1), "
+                       "or use --distributed-backend gloo to run on the CPU"], err
+    else:
+        assert err == []
