@@ -55,7 +55,9 @@ PRIVATE_NAMES = {
     "torch:_scaled_mm": ALL,
     "torch:_foreach_norm": ALL,
     "torch:_amp_foreach_non_finite_check_and_unscale_": ALL,
+    "torch._C:_cuda_getArchFlags": ALL,
 }
+CUDA_BUILD_ONLY = {"torch._C:_cuda_getArchFlags"}  # absent from CPU builds of torch (cuda_arch_flags)
 
 # On DTensors, FSDP2's FSDPParam (per parameter) and its module state; read at run time.
 FSDP_PRIVATE_ATTRIBUTES = {
@@ -279,6 +281,17 @@ def foreach_norm(tensors, ord):
 def amp_non_finite_check_and_unscale_(grads, found_inf, inv_scale) -> None:
     """`torch._amp_foreach_non_finite_check_and_unscale_` (what torch's GradScaler uses)."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def cuda_arch_flags() -> str:
+    """The architectures this torch was built for ("sm_80 sm_90 ..."), also with no GPU
+    visible (`torch.cuda.get_arch_list()` is empty then): `torch._C._cuda_getArchFlags`,
+    which exists in CUDA builds only. setup.py reads it to choose what to compile for."""
+    flags = getattr(torch._C, "_cuda_getArchFlags", None)
+    try:
+        return (flags() if flags is not None else "") or " ".join(torch.cuda.get_arch_list())
+    except RuntimeError:
+        return ""
 
 
 def create_chunk_list(tensor):

@@ -7,11 +7,23 @@
 #   PYTHON               the interpreter that creates it (default: python3)
 #   MEGATRON_FSDP_TORCH  the torch requirement to install when none is present
 #                        (default: torch==2.13.0 without a GPU, torch>=2.11 with one)
+#
+# Offline: nothing is fetched when torch, pytest, numpy and safetensors are already
+# there (with MEGATRON_FSDP_VENV=system: pip is left as it is, packages present are not
+# reinstalled, the optional tokenizers and tensorboard are skipped when they cannot be
+# installed, and the build is a PEP 660 editable install without build isolation).
+#
+# After a build, a child process checks that an error raised inside the extension
+# arrives in Python as an exception (megatron_fsdp/kernels/build_check.py): a build by
+# a compiler whose C++ runtime is not the one torch loads crashes instead, and stops
+# here with the compiler named and the cure.
 
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MEGATRON_FSDP_VENV:-$ROOT/.venv}"
+system=0
 if [ "$VENV" = system ]; then
+  system=1
   PY="$(command -v "${PYTHON:-python3}")"
   VENV="$("$PY" -c 'import sys; print(sys.prefix)')"
 else
@@ -22,9 +34,14 @@ if [ ! -x "$PY" ]; then
   echo "[env] creating $VENV" >&2
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-# pip 23.2 turns --no-build-isolation editable installs into isolated builds.
-if "$PY" -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) >= (23, 3))"; then
-  "$PY" -m pip install -q --upgrade pip
+# pip 23.2 turns --no-build-isolation editable installs into isolated builds. A system
+# Python's pip is not ours to upgrade (and may have no network): PEP 660 needs pip >= 21.3.
+if [ "$system" = 0 ]; then
+  if "$PY" -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) >= (23, 3))"; then
+    "$PY" -m pip install -q --upgrade pip
+  fi
+elif "$PY" -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.')[:2])) >= (21, 3))"; then
+  echo "[env] warning: this pip predates PEP 660 editable installs (pip >= 21.3)" >&2
 fi
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -40,13 +57,46 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "$torch_req"
 fi
 
-# Reinstall only when the extension's sources, the build script or this file changed.
+# Prints those of the requirements given that are not installed (pytest older than 7 counts).
+missing() {
+  "$PY" - "$@" <<'EOF'
+import importlib.metadata, importlib.util, sys
+for req in sys.argv[1:]:
+    name = req.split(">")[0].split("=")[0]
+    if importlib.util.find_spec(name) is None:
+        print(req)
+    elif name == "pytest":
+        try:
+            if int(importlib.metadata.version("pytest").split(".")[0]) < 7:
+                print(req)
+        except (importlib.metadata.PackageNotFoundError, ValueError):
+            pass
+EOF
+}
+
+# Reinstall only when the extension's sources, the build files or this file changed.
 stamp="$VENV/.megatron_fsdp_build"
-sources_hash="$(cat "$ROOT/setup.py" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1)"
+sources_hash="$(cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" \
+                    "$ROOT/megatron_fsdp/kernels/build_check.py" "$ROOT/megatron_fsdp/kernels/build_config.py" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
   echo "[env] building megatron_fsdp and its C++ extension" >&2
+  # Only what is missing: with everything present, no pip at all (offline images).
+  required="$(missing "pytest>=7" numpy safetensors | tr '\n' ' ')"
+  if [ -n "$required" ] && ! "$PY" -m pip install -q $required; then
+    echo "[env] could not install $required(no network? install them, then rerun)" >&2
+    exit 1
+  fi
   # tokenizers and tensorboard are optional at run time; the tests exercise both.
-  "$PY" -m pip install -q "pytest>=7" numpy safetensors tokenizers tensorboard
+  optional="$(missing tokenizers tensorboard | tr '\n' ' ')"
+  if [ -n "$optional" ] && ! "$PY" -m pip install -q $optional; then
+    [ "$system" = 1 ] || exit 1
+    echo "[env] warning: could not install $optional(the tests that need them skip)" >&2
+  fi
   (cd "$ROOT" && "$PY" -m pip install -q --no-build-isolation -e .)
+  # Does an error raised in the new build arrive as an exception? (A C++ runtime mismatch crashes it.)
+  if ! "$PY" "$ROOT/megatron_fsdp/kernels/build_check.py" --package-dir "$ROOT/megatron_fsdp"; then
+    echo "[env] the extension just built is broken (above): fix the compiler and rerun" >&2
+    exit 1
+  fi
   echo "$sources_hash" > "$stamp"
 fi
