@@ -22,6 +22,7 @@ Differences handled here (read from each version's sources):
 from __future__ import annotations
 
 import datetime
+import functools
 import warnings
 from typing import Iterator, Optional
 
@@ -214,14 +215,32 @@ def fsdp_copy_op_schema(name: str) -> str:
         return f"<missing: {exc}>"
 
 
+def replace_all_gather_input_functions(functions: dict) -> dict:
+    """Put `functions` (names from ALL_GATHER_INPUT_FUNCTIONS) in place of FSDP2's own
+    in _fsdp_collectives, which looks them up at call time; returns the previous ones."""
+    unknown = set(functions) - set(ALL_GATHER_INPUT_FUNCTIONS)
+    if unknown:
+        raise ValueError(f"not FSDP2 all-gather input functions: {sorted(unknown)}")
+    module = fsdp_collectives_module()
+    previous = {name: getattr(module, name) for name in functions}
+    for name, fn in functions.items():
+        setattr(module, name, fn)
+    return previous
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_autograd_flag():
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return getattr(_fsdp_common, "compiled_autograd_enabled", None)
+
+
 def compiled_autograd_enabled() -> bool:
     """torch 2.11: whether FSDP2 runs under compiled autograd
     (`_fsdp_common.compiled_autograd_enabled`), where its all-gather inputs take
     another path that the mixed-precision hook must leave to torch. Later
     versions have one path (and no such function): False."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_common
-
-    enabled = getattr(_fsdp_common, "compiled_autograd_enabled", None)
+    enabled = _compiled_autograd_flag()
     return bool(enabled is not None and enabled())
 
 
@@ -233,13 +252,18 @@ def casts_in_copy_in(fsdp_param) -> bool:
             and not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"))
 
 
+@functools.lru_cache(maxsize=None)
+def _sharded_state():  # once: all_gather_source runs per parameter per all-gather
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    return ShardedState.SHARDED
+
+
 def all_gather_source(fsdp_param) -> torch.Tensor:
     """The flat shard FSDP2 all-gathers for a parameter: the sharded data, or
     the post-forward (resharded to a smaller group) data between forward and
     backward with an integer reshard_after_forward."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    if fsdp_param.sharded_state == ShardedState.SHARDED:
+    if fsdp_param.sharded_state == _sharded_state():
         return fsdp_param._sharded_param_data
     return fsdp_param._sharded_post_forward_param_data
 

@@ -110,7 +110,7 @@ fi
 # untracked ones git does not ignore) whose megatron_fsdp/_C*.so is a link to the CUDA build.
 TREE="$BUILD/tree"
 rm -rf "$TREE"
-"$PYC" "$ROOT/scripts/copy_tree.py" "$TREE" --root "$ROOT" 2>/dev/null || die "could not copy the tree to $TREE"
+"$PYC" "$ROOT/scripts/copy_tree.py" "$TREE" --root "$ROOT" >/dev/null || die "could not copy the tree to $TREE (above)"
 rm -f "$TREE"/megatron_fsdp/_C*.so "$TREE"/megatron_fsdp/_C*.json
 ln -s "$so" "$TREE/megatron_fsdp/$(basename "$so")"
 [ ! -f "$so.build.json" ] || ln -s "$so.build.json" "$TREE/megatron_fsdp/$(basename "$so").build.json"
@@ -126,7 +126,7 @@ from megatron_fsdp import kernels
 import os, sys
 ext = kernels._load_extension()
 assert kernels.extension_has_cuda(), f'the CUDA build is not the one imported: {ext}'
-assert os.path.dirname(ext.__file__) == os.path.join(os.getcwd(), 'megatron_fsdp'), ext.__file__
+assert os.path.realpath(os.path.dirname(ext.__file__)) == os.path.realpath('megatron_fsdp'), ext.__file__
 "
   "$PYC" -m pytest -q -p no:cacheprovider "${tests[@]}"
 ) || die "the host-side tests of the CUDA build failed (torch $torch_version)"

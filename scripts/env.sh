@@ -6,7 +6,8 @@
 #                        no network, say), and installs megatron_fsdp into it
 #   PYTHON               the interpreter that creates it (default: python3)
 #   MEGATRON_FSDP_TORCH  the torch requirement to install when none is present
-#                        (default: torch==2.13.0 without a GPU, torch>=2.11 with one)
+#                        (default: torch==2.13.0 without a GPU, torch>=2.11,<2.15 with one:
+#                        the range megatron_fsdp/_torch_compat.py supports)
 #
 # Offline: nothing is fetched when torch, pytest, numpy and safetensors are already
 # there (with MEGATRON_FSDP_VENV=system: pip is left as it is, packages present are not
@@ -48,7 +49,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   if [ -n "${MEGATRON_FSDP_TORCH:-}" ]; then
     torch_req="$MEGATRON_FSDP_TORCH"
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    torch_req="torch>=2.11"
+    torch_req="torch>=2.11,<2.15"
   else
     # Pinned: a bare `torch` would pull a multi-GB CUDA build onto a CPU machine.
     torch_req="torch==2.13.0"
@@ -76,7 +77,9 @@ EOF
 
 # Reinstall only when the extension's sources, the build files or this file changed.
 stamp="$VENV/.megatron_fsdp_build"
-sources_hash="$(cat "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" \
+# The torch it builds against is part of it: another torch needs another build.
+sources_hash="$("$PY" -c 'import torch; print(torch.__version__, torch.__file__)' |
+                cat - "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" \
                     "$ROOT/megatron_fsdp/kernels/build_check.py" "$ROOT/megatron_fsdp/kernels/build_config.py" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
   echo "[env] building megatron_fsdp and its C++ extension" >&2

@@ -38,6 +38,8 @@ export MEGATRON_FSDP_REQUIRE_EXTENSION=1
 SECONDS=0
 step="setup"
 RESULTS="$OUT_DIR/steps.tsv"   # one line per step: name, status, seconds, detail
+# A reused output directory must not lend this run an earlier run's results.
+rm -f "$OUT_DIR"/*.jsonl "$OUT_DIR"/*.xml "$OUT_DIR"/*.err
 : >"$RESULTS"
 
 # Ends the current step (a subshell, see step()), or everything before the steps.
@@ -46,7 +48,8 @@ fail() {
   echo "logs: $OUT_DIR" >&2
   exit 1
 }
-trap 'fail "command failed (line $LINENO)"' ERR
+ON_ERROR='fail "command failed (line $LINENO)"'
+trap "$ON_ERROR" ERR
 
 record() {  # name status seconds detail
   local detail="${4//$'\n'/ }"
@@ -54,10 +57,17 @@ record() {  # name status seconds detail
   echo "[gpu_check] $1: $2${4:+ ($detail)}" >&2
 }
 
-# Seconds left for a step, keeping `reserve` for the ones after it (at least 30).
+# Seconds left for a step, keeping `reserve` for the steps after it (what they
+# take on one H100, with a margin: the reserves below add up so); a step
+# with less than 20 s fails "out of time" (and so do the ones after it), so the
+# whole script ends near its budget and still prints its table.
 left() {
   local n=$((BUDGET_S - SECONDS - $1))
-  if [ "$n" -lt 30 ]; then echo 30; else echo "$n"; fi
+  if [ "$n" -lt 20 ]; then
+    echo "GPU CHECK FAILED ($step, after ${SECONDS}s): out of time (budget ${BUDGET_S}s)" >&2
+    return 1
+  fi
+  echo "$n"
 }
 
 run_logged() {  # name timeout command...: output to $OUT_DIR/name.log, and the tail on failure
@@ -72,22 +82,34 @@ run_logged() {  # name timeout command...: output to $OUT_DIR/name.log, and the 
   fi
 }
 
-# Runs one step in a subshell, so that a failure inside it (fail, or the ERR
-# trap) ends that step only; records PASS with its last [gpu_check] line, or
-# FAIL with its failure message (else the last line it printed).
+# Runs one step in a subshell, so that a failure inside it (fail, a failing
+# command under `set -e`, the ERR trap) ends that step only; records PASS with
+# its last [gpu_check] line, or FAIL with its failure message (else the last
+# line it printed), and sets STEP_OK to 1 or 0. Call it as a plain command,
+# never as an if/||/&& condition: bash ignores `set -e` in everything such a
+# condition runs. The ERR trap is the subshell's only (it fires for any
+# failing command, `set -e` or not).
 step() {  # name function
-  local name="$1" start=$SECONDS
+  local name="$1" start=$SECONDS rc=0
   step="$name"
-  if ( "$2" ) 2> >(tee "$OUT_DIR/$name.err" >&2); then
+  trap - ERR
+  set +e
+  ( set -e; trap "$ON_ERROR" ERR; "$2" ) 2>"$OUT_DIR/$name.err"
+  rc=$?
+  set -e
+  trap "$ON_ERROR" ERR
+  cat "$OUT_DIR/$name.err" >&2
+  if [ "$rc" = 0 ]; then
     record "$name" PASS $((SECONDS - start)) "$(grep -h '^\[gpu_check\]' "$OUT_DIR/$name.err" | tail -n 1 |
       sed 's/^\[gpu_check\] //')"
+    STEP_OK=1
     return 0
   fi
   local why
-  why="$(grep -h 'GPU CHECK FAILED' "$OUT_DIR/$name.err" | tail -n 1 | sed 's/^GPU CHECK FAILED ([^)]*): //')"
+  why="$(grep -h 'GPU CHECK FAILED' "$OUT_DIR/$name.err" | head -n 1 | sed 's/^GPU CHECK FAILED ([^)]*): //')"
   [ -n "$why" ] || why="$(grep -v '^\s*$' "$OUT_DIR/$name.err" | tail -n 1)"   # e.g. a Python error's last line
   record "$name" FAIL $((SECONDS - start)) "$why"
-  return 1
+  STEP_OK=0
 }
 
 # ---- 1. what this machine has (nothing to check without it) ----
@@ -111,7 +133,7 @@ NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 # ---- 2. build the extension with CUDA, in place ----
 build_extension() {
   rm -f megatron_fsdp/_C*.so
-  limit="$(left 180)"
+  limit="$(left 290)"
   run_logged build "$limit" "$PY" setup.py build_ext --inplace
   grep '^\[megatron_fsdp setup\]' "$OUT_DIR/build.log" >&2 || true
   # An error raised inside the extension must arrive as an exception: a compiler whose C++
@@ -134,7 +156,7 @@ EOF
 # ---- 3. the CUDA tests, the torch pins, the FSDP copy-kernel tests ----
 cuda_tests() {
   local limit
-  limit="$(left 330)"
+  limit="$(left 230)"
   # pytest's exit code is judged from its report below: every failing test by name.
   timeout "$limit" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT_DIR/tests.xml" \
     tests/test_device_copy_kernels.py tests/test_amax_kernel.py tests/test_kernels.py \
@@ -159,23 +181,23 @@ PYEOF
 
 # ---- 4. the main job on every GPU: save, exit at an interval, resume to the end ----
 # A small GPT on mock data (fp8 needs local weight dims that are multiples of 16).
-main_job() {  # name extra-flags...
-  local name="$1" ckpt="$OUT_DIR/$1.ckpt" limit loss
-  shift
-  NPROC="$NGPU" source scripts/layout.sh 2>/dev/null
+main_job() {  # name reserve extra-flags...: `reserve` seconds stay for the steps after this job
+  local name="$1" reserve="$2" ckpt="$OUT_DIR/$1.ckpt" limit loss
+  shift 2
+  NPROC="$NGPU" source scripts/layout.sh
   local flags=(--use-torch-fsdp2 "${TP_FLAGS[@]}" --bf16 --num-layers 2 --hidden-size 256
     --num-attention-heads 4 --ffn-hidden-size 1024 --seq-length 256 --max-position-embeddings 256
     --position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear
     --micro-batch-size 2 --global-batch-size $((2 * DP)) --lr 1e-3 --train-iters 12 --mock-data
     --vocab-size 1024 --log-interval 2 --save "$ckpt" --save-interval 6 --seed 1234 "$@")
   rm -rf "$ckpt"
-  limit="$(left 240)"
+  limit="$(left $((reserve + 30)))"   # the resume's share: 30 s
   run_logged "$name.first" "$limit" "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
     examples/pretrain_gpt.py "${flags[@]}" --exit-interval 6
   [ "$(cat "$ckpt/latest_checkpointed_iteration.txt" 2>/dev/null)" = 6 ] ||
     fail "the --exit-interval 6 run left no checkpoint of iteration 6 (log: $OUT_DIR/$name.first.log)"
   grep -q "iteration        6/      12" "$OUT_DIR/$name.first.log" || fail "no log line of iteration 6"
-  limit="$(left 200)"
+  limit="$(left "$reserve")"
   run_logged "$name.resume" "$limit" "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
     examples/pretrain_gpt.py "${flags[@]}" --load "$ckpt"
   grep -q "iteration       12/      12" "$OUT_DIR/$name.resume.log" ||
@@ -183,16 +205,16 @@ main_job() {  # name extra-flags...
   if grep -q "iteration        2/      12" "$OUT_DIR/$name.resume.log"; then
     fail "the resumed run started from scratch instead of iteration 6"
   fi
-  loss="$(grep -o 'lm loss: [0-9.E+-]*' "$OUT_DIR/$name.resume.log" | tail -n 1)"
+  loss="$(grep -o 'lm loss: [0-9.E+-]*' "$OUT_DIR/$name.resume.log" | tail -n 1 || true)"
   echo "[gpu_check] $NGPU GPU(s), TP=$TP x FSDP=$DP: saved at 6, exited, resumed to 12, $loss" >&2
 }
-main_job_bf16() { main_job main_job_bf16; }
-main_job_fp8() { main_job main_job_fp8 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
+main_job_bf16() { main_job main_job_bf16 170; }
+main_job_fp8() { main_job main_job_fp8 110 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
 
 # torch's own CUDA split_with_sizes_copy (the reference the first GPU run compared our copy-out
 # with) on a transposed output; tests/test_device_copy_kernels.py says why: recorded, not judged.
 copy_out_reference() {
-  "$PY" - <<'PYEOF' >&2
+  timeout 60 "$PY" - <<'PYEOF' >"$OUT_DIR/copy_out_reference.log" 2>&1 || fail "$(tail -n 1 "$OUT_DIR/copy_out_reference.log")"
 import torch
 src = torch.arange(12.0, device="cuda").view(3, 4)
 out = torch.empty(2, 3, device="cuda").t()          # (3, 2), column-major
@@ -201,6 +223,7 @@ right = torch.equal(out.cpu(), src[:, :2].cpu())
 print("[gpu_check] torch's CUDA split_with_sizes_copy on a transposed output: "
       + ("strided, as on the CPU" if right else "written as if contiguous (not a reference for ours)"))
 PYEOF
+  grep '^\[gpu_check\]' "$OUT_DIR/copy_out_reference.log" >&2
 }
 
 # ---- 5. benchmarks: JSON lines into $OUT_DIR/*.jsonl ----
@@ -212,31 +235,32 @@ bench() {  # name reserve command...
   grep '^{' "$OUT_DIR/$name.log" >"$OUT_DIR/$name.jsonl" || fail "$name printed no results"
   echo "[gpu_check] $(grep -c '^{' "$OUT_DIR/$name.jsonl") results" >&2
 }
-bench_copy_in() { bench bench_copy_in 120 "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
-bench_amax() { bench bench_amax 90 "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
+bench_copy_in() { bench bench_copy_in 75 "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
+bench_amax() { bench bench_amax 60 "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
 bench_gpt_fp8() {
   local limit
-  limit="$(left 15)"
-  GPU_CHECK_TIME_LEFT_S="$((limit - 5))" bench bench_gpt_fp8 15 "$PY" benchmarks/bench_gpt_fp8.py
+  limit="$(left 5)"
+  GPU_CHECK_TIME_LEFT_S="$((limit - 5))" bench bench_gpt_fp8 5 "$PY" benchmarks/bench_gpt_fp8.py
 }
 
-if step build build_extension; then
-  step tests cuda_tests || true
+step build build_extension
+if [ "$STEP_OK" = 1 ]; then
+  step tests cuda_tests
 else
   record tests "NOT RUN" 0 "the extension did not build"
   export MEGATRON_FSDP_REQUIRE_EXTENSION=0   # the main job on the Python fallback still says something
 fi
-step main_job_bf16 main_job_bf16 || true
-step main_job_fp8 main_job_fp8 || true
-step copy_out_reference copy_out_reference || true
+step main_job_bf16 main_job_bf16
+step main_job_fp8 main_job_fp8
+step copy_out_reference copy_out_reference
 if [ "$MEGATRON_FSDP_REQUIRE_EXTENSION" = 1 ]; then
-  step bench_copy_in bench_copy_in || true
-  step bench_amax bench_amax || true
+  step bench_copy_in bench_copy_in
+  step bench_amax bench_amax
 else
   record bench_copy_in "NOT RUN" 0 "the extension did not build"
   record bench_amax "NOT RUN" 0 "the extension did not build"
 fi
-step bench_gpt_fp8 bench_gpt_fp8 || true
+step bench_gpt_fp8 bench_gpt_fp8
 
 # ---- 6. one table: the benchmarks' figures, then every step ----
 step="table"

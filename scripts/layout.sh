@@ -8,18 +8,20 @@
 # DP = NPROC / TP ranks then shard the model with FSDP (one node; for several,
 # see scripts/slurm_pretrain_gpt.sbatch).
 
+is_count() { case "$1" in '' | *[!0-9]* | 0*) return 1 ;; esac; }   # 1, 2, ...: no sign, no leading 0
 if [ -z "${NPROC:-}" ]; then
   GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
   if [ "$GPUS" -gt 0 ]; then NPROC="$GPUS"; else NPROC=4; fi
 fi
+if ! is_count "$NPROC"; then
+  echo "layout: NPROC=$NPROC must be a positive integer (the processes on this node)" >&2
+  exit 2
+fi
 if [ -z "${TP:-}" ]; then
   if [ $((NPROC % 2)) -eq 0 ]; then TP=2; else TP=1; fi
 fi
-case "$NPROC$TP" in
-  *[!0-9]*) echo "layout: NPROC=$NPROC and TP=$TP must be positive integers" >&2; exit 2 ;;
-esac
-if [ "$NPROC" -lt 1 ] || [ "$TP" -lt 1 ] || [ $((NPROC % TP)) -ne 0 ]; then
-  echo "layout: TP=$TP must be at least 1 and divide NPROC=$NPROC (the processes on this node)" >&2
+if ! is_count "$TP" || [ $((NPROC % TP)) -ne 0 ]; then
+  echo "layout: TP=$TP must be a positive integer that divides NPROC=$NPROC (the processes on this node)" >&2
   exit 2
 fi
 DP=$((NPROC / TP))

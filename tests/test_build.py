@@ -90,6 +90,18 @@ def test_probe_reports_a_child_killed_by_a_signal(so_copy, monkeypatch):
     assert result.signal_name == "SIGSEGV"
 
 
+def test_a_child_signalled_from_outside_is_not_a_crash(so_copy, monkeypatch, tmp_path):
+    # SIGTERM/SIGKILL come from a preempted job or the OOM killer, not from a broken C++ runtime:
+    # the extension stays available and nothing is cached.
+    monkeypatch.setenv(build_check.TEST_SIGNAL_ENV, "SIGTERM")
+    monkeypatch.setenv(build_check.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    result = build_check.run_probe(so_copy)
+    assert result.status == "killed" and result.signal_name == "SIGTERM", result.output
+    verdict = build_check.check_extension(so_copy)
+    assert verdict.ok and verdict.status == "killed" and "from outside" in verdict.message
+    assert not os.path.exists(build_check.cache_path(so_copy))
+
+
 def test_crash_message_names_the_compiler_both_runtimes_and_the_cure(so_copy, fake_cxx, monkeypatch, tmp_path):
     cxx, fake_lib = fake_cxx
     monkeypatch.setenv(build_check.TEST_SIGNAL_ENV, "SIGSEGV")
@@ -189,6 +201,8 @@ def test_inconclusive_checks_do_not_disable_the_extension(tmp_path, monkeypatch)
     probe.result = build_check.ProbeResult("failed", 1, "ImportError: undefined symbol: _ZN3c10")
     verdict = build_check.check_extension(str(so))
     assert verdict.ok and verdict.status == "failed" and "undefined symbol" in verdict.message
+    build_check.check_extension(str(so))
+    assert probe.calls == 4  # nor is a failure to load: only ok and a crash are kept
     monkeypatch.setenv(build_check.CHECK_ENV, "0")
     assert build_check.check_extension(str(so)).status == "skipped"
 

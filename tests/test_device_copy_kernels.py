@@ -9,11 +9,14 @@ layout; with one, the same cases run the real kernels.
 The references are computed on the CPU, never by a CUDA op. On the first GPU
 run three copy-out cases failed (transposed first output) while their host
 emulation passed, which looked like device addressing the emulation did not
-model. It was the reference: torch's CUDA `split_with_sizes_copy(out=...)`
-takes a fast path for every output that is non-overlapping and dense, and a
-transposed output is that, so it writes the elements as if the output were
-contiguous (aten/src/ATen/native/cuda/TensorShape.cu,
-`split_with_sizes_copy_out_cuda`; torch 2.4-2.14). Our plan sends an output
+model. It was the reference: the test built it with torch's CUDA
+`split_with_sizes_copy(out=[o.clone() ...])`; `clone()` keeps a transposed
+output's column-major strides, and torch's CUDA op takes a fast path for every
+output that is non-overlapping and dense (a transposed one is), writing the
+elements as if the output were contiguous (aten/src/ATen/native/cuda/
+TensorShape.cu, `split_with_sizes_copy_out_cuda`; torch 2.4-2.14). The
+emulation was right to pass; a plan that addresses such rows as contiguous
+fails the host tests below (checked by making the planner do so). Our plan sends an output
 whose rows are not unit-stride to ATen's strided `copy_`, on the host as on
 the device, and `test_split_copy_out_layouts_*` below pin every layout.
 """

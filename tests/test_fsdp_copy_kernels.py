@@ -182,19 +182,18 @@ def test_mixed_precision_hook_fits_this_torch():
 def _watch_fused_cast(seen: list):
     """Records, for each all-gather input FSDP2 builds, whether it reached the
     copy-in uncast (marked by fsdp_mixed_precision_hook)."""
-    _fsdp_collectives = _torch_compat.fsdp_collectives_module()
-    hooked = _fsdp_collectives._get_param_all_gather_inputs
+    hooked = {}
 
     def watching(fsdp_params):
-        inputs = hooked(fsdp_params)
+        inputs = hooked["_get_param_all_gather_inputs"](fsdp_params)
         seen.extend(hasattr(t, fsdp_mixed_precision_hook._CAST_ATTR) for group in inputs for t in group)
         return inputs
 
-    _fsdp_collectives._get_param_all_gather_inputs = watching
+    hooked.update(_torch_compat.replace_all_gather_input_functions({"_get_param_all_gather_inputs": watching}))
     try:
         yield
     finally:
-        _fsdp_collectives._get_param_all_gather_inputs = hooked
+        _torch_compat.replace_all_gather_input_functions(hooked)
 
 
 def _train(tp, use_kernels, steps=3, precision=None):

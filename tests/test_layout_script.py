@@ -33,8 +33,11 @@ def test_layout_follows_the_machine(tmp_path, gpus, env, expected):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"NPROC": "4", "TP": "3"}, "TP=3 must be at least 1 and divide NPROC=4 (the processes on this node)"),
-    ({"NPROC": "two"}, "NPROC=two and TP=2 must be positive integers"),
+    ({"NPROC": "4", "TP": "3"}, "TP=3 must be a positive integer that divides NPROC=4 (the processes on this node)"),
+    ({"NPROC": "4", "TP": "08"}, "TP=08 must be a positive integer that divides NPROC=4 (the processes on this node)"),
+    ({"NPROC": "two"}, "NPROC=two must be a positive integer (the processes on this node)"),
+    ({"NPROC": "08"}, "NPROC=08 must be a positive integer (the processes on this node)"),
+    ({"NPROC": "0"}, "NPROC=0 must be a positive integer (the processes on this node)"),
 ])
 def test_a_bad_layout_is_one_line(tmp_path, env, message):
     proc = _layout(tmp_path, 0, **env)

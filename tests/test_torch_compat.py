@@ -126,7 +126,12 @@ def test_fsdp_state_on_a_live_module(pools):
 _PRIVATE_ATTRIBUTES = {name for names in _torch_compat.FSDP_PRIVATE_ATTRIBUTES.values() for name in names
                        if name.startswith("_") and " " not in name} | {
     "_fsdp_param_groups", "_fsdp_param_group", "_get_fsdp_state", "_flatten", "_get_default_group",
-    "_get_default_store", "_set_pg_timeout", "_make_wrapper_subclass", "_disabled_torch_function_impl"}
+    "_get_default_store", "_set_pg_timeout", "_make_wrapper_subclass", "_disabled_torch_function_impl",
+    *_torch_compat.ALL_GATHER_INPUT_FUNCTIONS,
+    # nn.Module's and the dispatcher's own state (public API exists for what we need of it)
+    "_parameters", "_buffers", "_modules", "_schema", "_register_state_dict_hook",
+    "_register_load_state_dict_pre_hook", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+    "_state_dict_hooks", "_load_state_dict_pre_hooks"}
 _TORCH_ALIASES = {"torch", "dist", "F", "nn", "fsdp", "c10d"}
 
 
@@ -172,6 +177,7 @@ def test_the_scan_sees_what_it_looks_for(tmp_path):
                       "x = dist.distributed_c10d._get_default_group()\n"
                       "y = weight._local_tensor\n"
                       "z = torch._scaled_mm\n"
+                      "w = linear._parameters['weight']\n"
                       "ok = torch.__version__\n")
     global ROOT
     saved, ROOT = ROOT, tmp_path
@@ -179,4 +185,4 @@ def test_the_scan_sees_what_it_looks_for(tmp_path):
         uses = _private_uses(sample)
     finally:
         ROOT = saved
-    assert len(uses) == 4, uses
+    assert len(uses) == 5, uses

@@ -23,14 +23,14 @@ def _parse(*flags, world_size=4, rank=0):
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-attention-heads", "6", "--hidden-size", "60", "--tensor-model-parallel-size", "4"],
-     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+     "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)"),
     (["--group-query-attention", "--num-query-groups", "3"],
-     "--num-query-groups 3 must be >= 1 and divide --num-attention-heads 4"),
+     "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     (["--group-query-attention", "--num-query-groups", "2", "--num-attention-heads", "8",
-      "--tensor-model-parallel-size", "4"], "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+      "--tensor-model-parallel-size", "4"], "--num-query-groups (2) must be divisible by --tensor-model-parallel-size (4)"),
     (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4: set --kv-channels"),
     (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],
-     "--ffn-hidden-size 30 must be >= 1 and divisible by --tensor-model-parallel-size 4"),
+     "--ffn-hidden-size (30) must be divisible by --tensor-model-parallel-size (4)"),
     (["--kv-channels", "0"], "--kv-channels must be >= 1, got 0"),
     (["--sequence-parallel", "--tensor-model-parallel-size", "4", "--seq-length", "30",
       "--max-position-embeddings", "32"], "--sequence-parallel needs --seq-length (30) divisible by"),
@@ -39,8 +39,8 @@ def _parse(*flags, world_size=4, rank=0):
     (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1], got 1.5"),
     (["--hidden-dropout", "1.0"], "--hidden-dropout must be in [0, 1), got 1.0"),
     # Whatever else TransformerConfig checks, by building it.
-    (["--recompute-granularity", "full"], "the model flags are inconsistent: recompute_granularity='full' needs "
-                                          "recompute_method 'uniform' or 'block'"),
+    (["--recompute-granularity", "full"], "--recompute-granularity='full' needs --recompute-method 'uniform' or "
+                                          "'block'"),
 ])
 def test_model_shape_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -69,8 +69,7 @@ def test_heads_not_divisible_by_tp_stops_the_script_before_any_communication():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "pretrain_gpt.py: error: --num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4 "
-        "(each tensor-parallel rank holds whole heads)"]
+        "pretrain_gpt.py: error: --num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)"]
 
 
 # ---------------------------------------------------------------------- more processes than GPUs

@@ -105,7 +105,7 @@ def convert_to_fp8_weights(module: nn.Module) -> int:
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     converted = 0
     for name, linear in _fp8_linears(module):
-        weight = linear._parameters.get("weight")
+        weight = getattr(linear, "weight", None)
         if weight is None or is_fp8_training_weight(weight):
             continue
         if uses[id(weight)] > 1:
@@ -117,7 +117,7 @@ def convert_to_fp8_weights(module: nn.Module) -> int:
         linear.weight = _to_fp8_training_weight(weight, linear.fp8_state.recipe)
         linear.fp8_state.converted_weight = True
         if not getattr(linear, "_fp8_state_dict_hook", False):
-            linear._register_state_dict_hook(_save_plain_weight)
+            linear.register_state_dict_post_hook(_save_plain_weight)
             linear._fp8_state_dict_hook = True
         converted += 1
     return converted

@@ -54,7 +54,7 @@ def _default_group() -> Optional[dist.ProcessGroup]:
 
 
 def _master_shard(name: str, linear: nn.Module) -> Fp8TrainingWeight:
-    weight = linear._parameters.get("weight")
+    weight = getattr(linear, "weight", None)  # the registered (sharded) parameter
     local = _torch_compat.local_tensor(weight)
     if not isinstance(local, Fp8TrainingWeight):
         raise RuntimeError(

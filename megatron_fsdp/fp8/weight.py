@@ -91,7 +91,7 @@ class Fp8TrainingWeight(torch.Tensor):
         out = func(*unwrapped_args, **unwrapped_kwargs)
         if func in _SAME_WEIGHT_OPS:
             return _torch_compat.tree_map_only(torch.Tensor, lambda t: cls(t, meta), out)
-        if func._schema.name.endswith("_") and args and isinstance(args[0], cls) and out is not None:
+        if func.overloadpacket.__name__.endswith("_") and args and isinstance(args[0], cls) and out is not None:
             return args[0]  # an in-place op (optimizer update, load) returns the weight itself
         return out
 

@@ -53,7 +53,7 @@ def _load_extension():
         from .. import _C  # noqa: F401  (registers torch.ops.megatron_fsdp)
     except ImportError as exc:
         return exc
-    if verdict is not None and verdict.status in ("failed", "timeout"):
+    if verdict is not None and verdict.status in ("failed", "timeout", "killed"):
         # The check could not tell (the import here worked): say so once, use the extension as before.
         warnings.warn(f"megatron_fsdp: {verdict.message}", RuntimeWarning, stacklevel=2)
     return _C

@@ -98,7 +98,8 @@ print("PROBE OK:", first)
 
 @dataclasses.dataclass
 class ProbeResult:
-    status: str  # "ok" | "crashed" (killed by a signal) | "failed" (exited non-zero) | "timeout"
+    # "ok" | "crashed" (a fault signal) | "killed" (another signal) | "failed" (exited non-zero) | "timeout"
+    status: str
     returncode: int | None
     output: str
 
@@ -118,7 +119,7 @@ class Verdict:
     not tell: `status` says which). Only a crash makes ok False."""
 
     ok: bool
-    status: str  # "ok" | "crashed" | "failed" | "timeout" | "skipped"
+    status: str  # "ok" | "crashed" | "killed" | "failed" | "timeout" | "skipped"
     message: str = ""
 
 
@@ -126,19 +127,29 @@ def run_probe(so_path: str, python: str | None = None, timeout: float | None = N
               env: dict | None = None) -> ProbeResult:
     """Load `so_path` in a child Python and make it raise an error with numbers in it."""
     if timeout is None:
-        timeout = float(os.environ.get(TIMEOUT_ENV, "300"))
+        timeout = float(os.environ.get(TIMEOUT_ENV, "120"))
     cmd = [python or sys.executable, "-c", _PROBE, os.path.abspath(so_path)]
     try:
+        # Its own session: a SIGTERM or SIGINT meant for the caller's process group (a
+        # preempted job) must not reach the child and pass for a crash of the build.
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                              timeout=timeout, env=env, cwd=os.path.dirname(os.path.abspath(so_path)))
+                              timeout=timeout, env=env, cwd=os.path.dirname(os.path.abspath(so_path)),
+                              start_new_session=True)
     except subprocess.TimeoutExpired as exc:
         out = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else (exc.output or "")
         return ProbeResult("timeout", None, out + f"\n(no answer within {timeout:g} s)")
     if proc.returncode == 0 and "PROBE OK" in proc.stdout:
         return ProbeResult("ok", 0, proc.stdout)
-    if proc.returncode < 0:
+    if -proc.returncode in _FAULT_SIGNALS:
         return ProbeResult("crashed", proc.returncode, proc.stdout)
+    if proc.returncode < 0:  # SIGKILL (the OOM killer, say), SIGTERM: says nothing about the build
+        return ProbeResult("killed", proc.returncode, proc.stdout)
     return ProbeResult("failed", proc.returncode, proc.stdout)
+
+
+# What a broken C++ runtime does to a process; any other signal came from outside.
+_FAULT_SIGNALS = {int(getattr(signal, name)) for name in ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")
+                  if hasattr(signal, name)}
 
 
 # ---- the verdict, cached per built .so ----
@@ -292,7 +303,8 @@ def _verdict(so_path: str, result: ProbeResult) -> Verdict:
     if result.status == "crashed":
         return Verdict(False, "crashed", crash_message(so_path, result))
     tail = "\n".join(result.output.strip().splitlines()[-15:])
-    what = "did not answer" if result.status == "timeout" else f"exited with status {result.returncode}"
+    what = {"timeout": "did not answer", "killed": f"was killed by {result.signal_name} (from outside: not a "
+            "crash of the build)"}.get(result.status, f"exited with status {result.returncode}")
     return Verdict(True, result.status, f"the check of {so_path} in a child process {what}:\n{tail}")
 
 
@@ -316,7 +328,7 @@ def check_extension(so_path: str, use_cache: bool = True, refresh: bool = False)
         if cached is not None:
             return cached
         verdict = _verdict(so_path, run_probe(so_path))
-        if verdict.status != "timeout":
+        if verdict.status in ("ok", "crashed"):  # only a conclusive answer is kept
             _write_cache(path, key, verdict)
     return verdict
 
@@ -349,7 +361,7 @@ def main(argv=None) -> int:
     so = os.path.abspath(so)
     import torch  # noqa: F401  (the libstdc++ the extension meets is the one loaded after torch)
     verdict = check_extension(so, refresh=args.refresh)
-    if verdict.status in ("crashed", "failed", "timeout"):
+    if verdict.status in ("crashed", "failed", "timeout", "killed"):
         print(f"BUILD CHECK FAILED: {verdict.message}", file=sys.stderr)
         return 1
     if verdict.status == "skipped":

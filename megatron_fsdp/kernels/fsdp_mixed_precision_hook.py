@@ -75,10 +75,10 @@ def install() -> bool:
         return True
     if not supported():
         return False
-    module = _torch_compat.fsdp_collectives_module()
-    _originals = {name: getattr(module, name) for name in _torch_compat.ALL_GATHER_INPUT_FUNCTIONS}
-    module._get_param_all_gather_inputs = _param_all_gather_inputs
-    module._get_all_gather_input_metadatas = _all_gather_input_metadatas
+    _originals = _torch_compat.replace_all_gather_input_functions({
+        "_get_param_all_gather_inputs": _param_all_gather_inputs,
+        "_get_all_gather_input_metadatas": _all_gather_input_metadatas,
+    })
     return True
 
 
@@ -86,9 +86,7 @@ def uninstall() -> None:
     global _originals
     if _originals is None:
         return
-    module = _torch_compat.fsdp_collectives_module()
-    for name, fn in _originals.items():
-        setattr(module, name, fn)
+    _torch_compat.replace_all_gather_input_functions(_originals)
     _originals = None
 
 

@@ -265,9 +265,10 @@ class MegatronOptimizer:
             *path, leaf = name.split(".")
             module = mirror
             for part in path:
-                if part not in module._modules:
-                    module.add_module(part, nn.Module())
-                module = module._modules[part]
+                children = dict(module.named_children())
+                if part not in children:
+                    module.add_module(part, children.setdefault(part, nn.Module()))
+                module = children[part]
             module.register_parameter(leaf, self._main_of.get(id(param), param))
         return mirror
 

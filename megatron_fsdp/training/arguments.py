@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 import warnings
 from typing import Optional
@@ -259,17 +260,18 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--lr must be positive, got {args.lr}")
     _validate_model(parser, args)
     _validate_parallel_and_batch(parser, args)
-    _validate_model_shapes(parser, args)
     _validate_schedule(parser, args)
     _validate_data(parser, args)
     _validate_logging(parser, args)
     _validate_fp8(parser, args)
-    # Last, whatever else TransformerConfig checks (recomputation, fusions, ...): building it
-    # does no communication and touches no device.
+    # The model's own rules (heads, query groups and FFN vs TP, dropouts, recomputation,
+    # fusions, ...) are TransformerConfig's: building it does no communication and touches
+    # no device, so they fail here, before start-up, in the flags' words.
     try:
         core_transformer_config_from_args(args)
     except (ValueError, NotImplementedError) as exc:
-        parser.error(f"the model flags are inconsistent: {exc}")
+        parser.error(_in_flag_words(str(exc), args))
+    _validate_rope(parser, args)
 
 
 def _validate_model(parser, args) -> None:
@@ -293,28 +295,8 @@ def _validate_model(parser, args) -> None:
         args.num_query_groups = args.num_attention_heads
 
 
-def _validate_model_shapes(parser, args) -> None:
-    """The model's shape rules, here so that they fail before start-up (on
-    every rank alike, one line) instead of in the model provider after it."""
-    tp = args.tensor_model_parallel_size
-    heads, groups = args.num_attention_heads, args.num_query_groups
-    if heads % tp != 0:
-        parser.error(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp} "
-                     "(each tensor-parallel rank holds whole heads)")
-    if args.group_query_attention:
-        if groups < 1 or heads % groups != 0:
-            parser.error(f"--num-query-groups {groups} must be >= 1 and divide --num-attention-heads {heads}")
-        if groups % tp != 0:
-            parser.error(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp} "
-                         "(each tensor-parallel rank holds whole key/value groups)")
-    if args.kv_channels < 1:
-        parser.error(f"--kv-channels must be >= 1, got {args.kv_channels}")
-    if args.ffn_hidden_size < 1 or args.ffn_hidden_size % tp != 0:
-        parser.error(f"--ffn-hidden-size {args.ffn_hidden_size} must be >= 1 and divisible by "
-                     f"--tensor-model-parallel-size {tp}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+def _validate_rope(parser, args) -> None:
+    """The rotary embedding's flags (GPTModel's arguments, not TransformerConfig's)."""
     if args.position_embedding_type == "rope":
         if not 0.0 < args.rotary_percent <= 1.0:
             parser.error(f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
@@ -322,6 +304,16 @@ def _validate_model_shapes(parser, args) -> None:
         if dim < 2 or dim % 2 != 0:
             parser.error(f"RoPE rotates kv-channels x --rotary-percent = {args.kv_channels} x "
                          f"{args.rotary_percent} = {dim} dimensions: it must be a positive even number")
+
+
+_FIELD_NAME = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+def _in_flag_words(message: str, args) -> str:
+    """A TransformerConfig error in the command line's words: its field names are
+    the flags' dests (num_attention_heads -> --num-attention-heads)."""
+    return _FIELD_NAME.sub(lambda m: "--" + m.group(0).replace("_", "-") if hasattr(args, m.group(0))
+                           else m.group(0), message)
 
 
 def _validate_parallel_and_batch(parser, args) -> None:

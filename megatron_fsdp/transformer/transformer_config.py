@@ -159,6 +159,8 @@ class TransformerConfig(ModelParallelConfig):
                     f"({self.num_attention_heads}) unless kv_channels is given"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.ffn_hidden_size % tp != 0:
