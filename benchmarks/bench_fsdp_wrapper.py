@@ -63,7 +63,10 @@ def main():
 
     with gpt_benchmark_job(args) as config:
         device = parallel_state.get_device()
-        wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), build_gpt(args, config))
+        # As pretrain() runs it: with our copy kernels (process-wide, so the raw arm runs them too
+        # unless --compare copy-kernels switches them per arm).
+        wrapped = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=True),
+                                                build_gpt(args, config))
         if args.compare == "raw-fully-shard":
             baseline_name, baseline = "raw_fully_shard", shard_by_hand(build_gpt(args, config))
         else:

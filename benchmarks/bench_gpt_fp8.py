@@ -123,7 +123,7 @@ def main():
         for name, (fields, fp8_gather) in ARMS.items():
             config = dataclasses.replace(base_config, bf16=True, ffn_hidden_size=args.ffn_hidden or 4 * args.hidden,
                                          **fields)
-            ddp_config = TorchFullyShardedDataParallelConfig(fp8_param_gather=fp8_gather)
+            ddp_config = TorchFullyShardedDataParallelConfig(fp8_param_gather=fp8_gather, fsdp_copy_kernels=True)
             model = TorchFullyShardedDataParallel(config, ddp_config, build_gpt(args, config))
             optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True), model)
             arms[name] = (model, optimizer)

@@ -45,7 +45,8 @@ def main():
         device = parallel_state.get_device()
         arms = {}
         for name, unsharded in ARMS.items():
-            ddp_config = TorchFullyShardedDataParallelConfig(accumulate_unsharded_grads_in_no_sync=unsharded)
+            ddp_config = TorchFullyShardedDataParallelConfig(accumulate_unsharded_grads_in_no_sync=unsharded,
+                                                             fsdp_copy_kernels=True)  # as pretrain() runs it
             wrapped = TorchFullyShardedDataParallel(config, ddp_config, build_gpt(args, config))
             arms[name] = (wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4))
         parameters = sum(p.numel() for p in next(iter(arms.values()))[0].parameters())

@@ -27,6 +27,7 @@ def test_readme_pretraining_command_trains_and_resumes(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     rows, out = _run("--train-iters", "24", "--log-interval", "4", "--save", ckpt, "--save-interval", "12")
     assert "tensor-parallel 2 x data-parallel 2" in out
+    assert "> FSDP2 copy ops: megatron_fsdp's kernels" in out  # on by default in pretrain(), and said so
     assert [r[0] for r in rows] == [4, 8, 12, 16, 20, 24], rows
     losses = [r[1] for r in rows]
     assert losses[-1] < losses[0] - 0.5, f"loss did not go down: {losses}"

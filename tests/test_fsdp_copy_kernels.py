@@ -153,20 +153,32 @@ def test_other_schema_falls_back_with_one_warning(monkeypatch):
         assert not fsdp_copy_ops.fsdp_copy_kernels_enabled()
 
 
-@pytest.mark.parametrize("decided,env,expected", [
-    (None, None, True), (None, "0", False), (None, "off", False), (False, None, False), (False, "1", False),
-    (True, "0", True)])
-def test_process_level_switch(monkeypatch, decided, env, expected):
-    # What the FSDP wrapper calls: on by default, off with MEGATRON_FSDP_COPY_KERNELS=0 or after
-    # disable_fsdp_copy_kernels(); an explicit enable_/disable_ call wins over the variable.
-    with kernels(False):  # on exit, enable_/disable_ restore the switch too
-        fsdp_copy_ops._wanted = decided
-        if env is None:
-            monkeypatch.delenv("MEGATRON_FSDP_COPY_KERNELS", raising=False)
-        else:
-            monkeypatch.setenv("MEGATRON_FSDP_COPY_KERNELS", env)
-        assert fsdp_copy_ops.install_fsdp_copy_kernels_by_default() == expected
-        assert fsdp_copy_ops.fsdp_copy_kernels_enabled() == expected
+def _case_stock_fsdp2_unless_asked():
+    # A wrapper whose config does not ask leaves torch's copy ops alone: no megatron_fsdp range in a
+    # whole training step. One that asks installs them for the process, and says so.
+    fsdp_copy_ops.disable_fsdp_copy_kernels()
+    setup_parallel(1)
+    cfg = make_config(hidden_size=32, ffn_hidden_size=48)
+    for asked in (False, True):
+        wrapped = TorchFullyShardedDataParallel(
+            cfg, TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=asked),
+            GPTModel(cfg, vocab_size=64, max_sequence_length=16))
+        assert wrapped.fsdp_copy_kernels_active == asked == fsdp_copy_ops.fsdp_copy_kernels_enabled()
+        ids = torch.randint(0, 64, (2, 16))
+        _, ran = _profiled(lambda: wrapped(ids, torch.arange(16).expand(2, 16), None, labels=ids).sum().backward())
+        assert bool(ran) == asked and (not asked or set(ran) == set(fsdp_copy_ops.EXPECTED_SCHEMAS)), ran
+    fsdp_copy_ops.disable_fsdp_copy_kernels()
+    assert not fsdp_copy_ops.fsdp_copy_kernels_enabled()
+    parallel_state.destroy_model_parallel()
+
+
+def test_stock_fsdp2_unless_the_config_asks(pools):
+    pools(2).run(_case_stock_fsdp2_unless_asked)
+
+
+def test_the_config_field_is_checked():
+    with pytest.raises(ValueError, match="fsdp_copy_kernels must be True or False, got 1"):
+        TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=1)
 
 
 def test_mixed_precision_hook_fits_this_torch():
@@ -201,13 +213,10 @@ def _train(tp, use_kernels, steps=3, precision=None):
     cfg = make_config(hidden_size=36, ffn_hidden_size=50, sequence_parallel=tp > 1,
                       bf16=precision == "bf16", fp16=precision == "fp16")
     model = GPTModel(cfg, vocab_size=66 if tp == 1 else 64, max_sequence_length=16)
-    # The process-level switch; the wrapper installs the kernels unless it is off.
-    if use_kernels:
-        fsdp_copy_ops.enable_fsdp_copy_kernels()
-    else:
-        fsdp_copy_ops.disable_fsdp_copy_kernels()
-    wrapped = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(), model)
-    assert fsdp_copy_ops.fsdp_copy_kernels_enabled() == use_kernels
+    fsdp_copy_ops.disable_fsdp_copy_kernels()  # the wrapper installs them when its config asks
+    wrapped = TorchFullyShardedDataParallel(
+        cfg, TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=use_kernels), model)
+    assert fsdp_copy_ops.fsdp_copy_kernels_enabled() == use_kernels == wrapped.fsdp_copy_kernels_active
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(parallel_state.get_data_parallel_rank())
     uncast = []
@@ -236,7 +245,7 @@ def _case_training_identical(tp, precision):
         off_losses, off_weights, off_ran = _train(tp, False, precision=precision)
         on_losses, on_weights, on_ran = _train(tp, True, precision=precision)
     finally:
-        fsdp_copy_ops.enable_fsdp_copy_kernels()
+        fsdp_copy_ops.disable_fsdp_copy_kernels()
     assert not any(off_ran.values()), f"kernels ran while disabled: {off_ran}"
     for op in ("all_gather_copy_in", "split_with_sizes_copy", "chunk_cat"):
         assert on_ran.get(op, 0) > 0, f"{op} never ran through our kernel: {on_ran}"

@@ -127,6 +127,13 @@ def test_fsdp_op_checks_its_split_sizes_and_outputs():
     _torch_compat.fsdp_collectives_module()  # defines fsdp::
 
     assert fsdp_copy_ops.enable_fsdp_copy_kernels()
+    try:
+        _check_fsdp_op_errors()
+    finally:
+        fsdp_copy_ops.disable_fsdp_copy_kernels()
+
+
+def _check_fsdp_op_errors():
     out = torch.zeros(20)
     with pytest.raises(RuntimeError, match="split sizes add up to 5 but all_gather_input_numel is 6"):
         torch.ops.fsdp.all_gather_copy_in([torch.ones(2), torch.ones(3)], out, [2, 3], 6, 0)

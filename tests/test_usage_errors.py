@@ -53,6 +53,19 @@ def test_model_shape_flags_are_usage_errors(flags, message, capsys):
     assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("flag", ["--torch-fsdp2-copy-kernels", "--no-torch-fsdp2-copy-kernels"])
+def test_copy_kernel_flags_need_fsdp2(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(flag)
+    assert exit_info.value.code == 2 and "--[no-]torch-fsdp2-copy-kernels" in capsys.readouterr().err
+
+
+def test_copy_kernels_are_visible_in_the_flags():
+    # On by default with --use-torch-fsdp2 (training.get_model turns None into True), off when asked.
+    assert _parse("--use-torch-fsdp2").torch_fsdp2_copy_kernels is None
+    assert _parse("--use-torch-fsdp2", "--no-torch-fsdp2-copy-kernels").torch_fsdp2_copy_kernels is False
+
+
 def test_a_good_model_still_parses():
     args = _parse("--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "2",
                   "--position-embedding-type", "rope", "--swiglu", "--sequence-parallel")

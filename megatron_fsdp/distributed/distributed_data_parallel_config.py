@@ -112,10 +112,19 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     that memory for one reduce-scatter per step instead of one per microbatch,
     so it suits communication-bound runs with memory to spare. Under bf16
     without grad_reduce_in_fp32 the unsharded accumulation is in bf16, while
-    the default accumulates each microbatch's reduced gradient in fp32 shards."""
+    the default accumulates each microbatch's reduced gradient in fp32 shards.
+
+    fsdp_copy_kernels: True makes megatron_fsdp's C++/CUDA kernels serve FSDP2's
+    copy ops (all-gather copy-in with the mixed-precision cast fused, copy-out,
+    reduce-scatter copy-in; bitwise torch's results). The op registry is
+    process-wide, so once one wrapped model asks, every `fully_shard` module of
+    the process runs them until `kernels.fsdp_copy_ops.disable_fsdp_copy_kernels()`.
+    False (the default) leaves stock FSDP2. A torch whose copy-op schemas
+    differ, or a missing extension, keeps torch's path with one warning."""
 
     reshard_after_forward: bool | int = True
     accumulate_unsharded_grads_in_no_sync: bool = False
+    fsdp_copy_kernels: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -126,6 +135,6 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             )
         if self.fp8_param_gather:
             check_fp8_reshard(value)
-        if not isinstance(self.accumulate_unsharded_grads_in_no_sync, bool):
-            raise ValueError("accumulate_unsharded_grads_in_no_sync must be True or False, "
-                             f"got {self.accumulate_unsharded_grads_in_no_sync!r}")
+        for name in ("accumulate_unsharded_grads_in_no_sync", "fsdp_copy_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -8,7 +8,7 @@
         shard_units                   fully_shard each unit bottom-up, then the root
         materialize_meta_parameters   a meta-device model gets its shards and initial values
         compute_fp8_scales            the fp8 weights' first scales (collective)
-        install_fsdp_copy_kernels_by_default   the process-level copy-kernel switch
+        install_copy_kernels          fsdp_copy_kernels: our kernels serve FSDP2's copy ops
         restore_tp_attributes         Megatron's per-parameter TP attributes
 
 Tensor-parallel weights are DTensors on the "tp" dimension of the same root
@@ -33,7 +33,6 @@ from .. import parallel_state
 from .._process_groups import backend_device_type
 from ..fp8 import check_fp8_param_gather, convert_to_fp8_weights, refresh_fp8_scales
 from ..initialization import initialize_parameters
-from ..kernels.fsdp_copy_ops import install_fsdp_copy_kernels_by_default
 from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 
@@ -52,6 +51,7 @@ class FSDPPlan:
     force_sum_reduction: bool  # gloo: reduce with SUM, then divide
     explicit_backward_prefetch: bool  # activation recomputation confuses the implicit order
     materialize_on: Optional[torch.device]  # the model is on the meta device: materialize here
+    copy_kernels: bool  # install megatron_fsdp's kernels behind FSDP2's copy ops (process-wide)
 
 
 def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterable[type],
@@ -82,6 +82,7 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         force_sum_reduction=dist.get_backend(process_group) == "gloo",
         explicit_backward_prefetch=getattr(config, "recompute_granularity", None) is not None,
         materialize_on=_materialization_device(mesh) if on_meta else None,
+        copy_kernels=getattr(ddp_config, "fsdp_copy_kernels", False),
     )
 
 
@@ -93,7 +94,7 @@ def apply_fsdp_plan(module: nn.Module, plan: FSDPPlan) -> None:
     shard_units(module, plan)
     materialize_meta_parameters(module, plan)
     compute_fp8_scales(module, plan)
-    install_fsdp_copy_kernels_by_default()
+    install_copy_kernels(plan)
     restore_tp_attributes(module, tp_attributes)
 
 
@@ -165,6 +166,17 @@ def compute_fp8_scales(module: nn.Module, plan: FSDPPlan) -> None:
     values: only now are they final. Later the optimizer refreshes them."""
     if plan.fp8_param_gather:
         refresh_fp8_scales(module)
+
+
+def install_copy_kernels(plan: FSDPPlan) -> None:
+    """Only when asked: the op registry is process-wide, so this reaches every
+    fully_shard module of the process (kernels/fsdp_copy_ops.py, the one adapter,
+    installs and removes them). Imported here so that a run that never asks
+    does not load the adapter."""
+    if plan.copy_kernels:
+        from ..kernels.fsdp_copy_ops import enable_fsdp_copy_kernels
+
+        enable_fsdp_copy_kernels()
 
 
 def restore_tp_attributes(module: nn.Module, saved: dict[str, SimpleNamespace]) -> None:

@@ -23,6 +23,12 @@ from .fsdp_plan import apply_fsdp_plan, plan_fsdp
 from .fsdp_units import DEFAULT_SUB_MODULES_TO_WRAP
 
 
+def _copy_kernels_installed() -> bool:
+    from ..kernels.fsdp_copy_ops import fsdp_copy_kernels_enabled
+
+    return fsdp_copy_kernels_enabled()
+
+
 class TorchFullyShardedDataParallel(_BaseDataParallel):
     """Shards `module` with FSDP2 over the data-parallel group.
 
@@ -44,10 +50,10 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
       weights are gathered as fp8 (megatron_fsdp.fp8).
     - HSDP: with `ddp_config.num_distributed_optimizer_instances > 1` the
       parameters are replicated across instances and sharded within one.
-    - Copy kernels: megatron_fsdp's C++ kernels serve FSDP2's copy-in and
-      copy-out ops unless the process turned them off
-      (megatron_fsdp.kernels.fsdp_copy_ops.disable_fsdp_copy_kernels() or
-      MEGATRON_FSDP_COPY_KERNELS=0).
+    - Copy kernels: with `ddp_config.fsdp_copy_kernels` megatron_fsdp's C++/CUDA
+      kernels serve FSDP2's copy-in and copy-out ops (for the whole process,
+      as the op registry is); `fsdp_copy_kernels_active` says whether they
+      do. Without it, stock FSDP2.
     - Gradient accumulation: as in Megatron-Core, no_sync() changes nothing and
       every microbatch reduce-scatters into the sharded gradients, unless
       `ddp_config.accumulate_unsharded_grads_in_no_sync` trades a full
@@ -78,6 +84,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         self.reshard_after_forward = plan.reshard_after_forward
         self.fsdp_units_in_forward_order = list(plan.units)
         self.fsdp_units = list(reversed(plan.units))  # in the order they were sharded
+        self.fsdp_copy_kernels_active = plan.copy_kernels and _copy_kernels_installed()
         self.accumulate_unsharded_grads = getattr(ddp_config, "accumulate_unsharded_grads_in_no_sync", False)
         self._in_no_sync = False
         self._unsynced_backward = False

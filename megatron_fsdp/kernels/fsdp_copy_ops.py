@@ -6,9 +6,12 @@ each reduce-scatter (`fsdp::chunk_cat`). `enable_fsdp_copy_kernels()`
 registers our C++ implementations (csrc/bindings.cpp) for those ops on CPU,
 and on CUDA when the extension was built with it, after checking that the
 running torch declares exactly the schemas we implement; with any other
-torch it warns once and leaves torch's path alone. The registration is
-process-wide, as the op registry is; `disable_fsdp_copy_kernels()` removes it
-and torch's kernels serve again. Results are bitwise those of torch's ops, except the payload of
+torch it warns once and leaves torch's path alone. Nothing installs them
+unless asked: `TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=True)`
+(pretrain()'s --torch-fsdp2-copy-kernels) or a direct call. The registration
+is process-wide, as the op registry is, so every `fully_shard` module of the
+process then runs them; `disable_fsdp_copy_kernels()` removes it and torch's
+kernels serve again. Results are bitwise those of torch's ops, except the payload of
 NaNs cast to bf16 on CPU (still NaN; see README). Where ours serve an op, the
 profiler shows a `megatron_fsdp::<op>` range inside torch's `fsdp::<op>`.
 
@@ -19,7 +22,6 @@ kernels).
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 
@@ -34,10 +36,6 @@ EXPECTED_SCHEMAS = _torch_compat.FSDP_COPY_OP_SCHEMAS
 _lock = threading.Lock()
 _installed = False
 _warned = False
-# The process-level switch: None until decided, then True/False. The
-# environment variable MEGATRON_FSDP_COPY_KERNELS=0 turns the default off;
-# enable_/disable_fsdp_copy_kernels() decide it explicitly.
-_wanted: bool | None = None
 
 
 def schema_mismatches() -> dict[str, str]:
@@ -59,10 +57,10 @@ def enable_fsdp_copy_kernels() -> bool:
 
     Falls back to torch's own ops, with one warning, when the extension is not
     built or this torch declares different schemas. Call it once, before
-    training; the raw `fully_shard` user's one call.
+    training; the raw `fully_shard` user's one call (the FSDP wrapper makes it
+    when its config has `fsdp_copy_kernels=True`).
     """
-    global _installed, _warned, _wanted
-    _wanted = True
+    global _installed, _warned
     with _lock:
         if _installed:
             return True
@@ -89,21 +87,9 @@ def enable_fsdp_copy_kernels() -> bool:
         return True
 
 
-def install_fsdp_copy_kernels_by_default() -> bool:
-    """What the FSDP wrapper calls: install the kernels unless this process
-    turned them off (`disable_fsdp_copy_kernels()` or the environment variable
-    MEGATRON_FSDP_COPY_KERNELS=0). Returns whether they serve."""
-    wanted = _wanted
-    if wanted is None:
-        wanted = os.environ.get("MEGATRON_FSDP_COPY_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
-    return enable_fsdp_copy_kernels() if wanted else False
-
-
 def disable_fsdp_copy_kernels() -> None:
-    """Remove our registrations; torch's kernels serve the fsdp:: ops again,
-    and the FSDP wrapper leaves them off in this process."""
-    global _installed, _wanted
-    _wanted = False
+    """Remove our registrations; torch's kernels serve the fsdp:: ops again."""
+    global _installed
     with _lock:
         fsdp_mixed_precision_hook.uninstall()
         if _installed:

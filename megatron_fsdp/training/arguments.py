@@ -36,6 +36,9 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
     a("--torch-fsdp2-no-reshard-after-forward", action="store_true")
     # Not a Megatron flag: Megatron's FSDP2 path always reduce-scatters each microbatch.
     a("--torch-fsdp2-accumulate-unsharded-grads", action="store_true")
+    # Not a Megatron flag: our C++/CUDA kernels behind FSDP2's copy ops, on by default with
+    # --use-torch-fsdp2 (the run's log says which serve); --no-torch-fsdp2-copy-kernels: torch's.
+    a("--torch-fsdp2-copy-kernels", action=argparse.BooleanOptionalAction, default=None)
     a("--num-distributed-optimizer-instances", type=int, default=1)
     a("--use-distributed-optimizer", action="store_true")
     a("--accumulate-allreduce-grads-in-fp32", action="store_true")
@@ -252,9 +255,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("--save-interval needs --save and a value >= 1")
     if not args.use_torch_fsdp2 and (args.torch_fsdp2_no_reshard_after_forward
                                      or args.torch_fsdp2_accumulate_unsharded_grads
+                                     or args.torch_fsdp2_copy_kernels is not None
                                      or args.num_distributed_optimizer_instances > 1):
-        parser.error("--torch-fsdp2-no-reshard-after-forward, --torch-fsdp2-accumulate-unsharded-grads and "
-                     "--num-distributed-optimizer-instances "
+        parser.error("--torch-fsdp2-no-reshard-after-forward, --torch-fsdp2-accumulate-unsharded-grads, "
+                     "--[no-]torch-fsdp2-copy-kernels and --num-distributed-optimizer-instances "
                      "need --use-torch-fsdp2")
     if args.lr <= 0:
         parser.error(f"--lr must be positive, got {args.lr}")

@@ -179,11 +179,15 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             use_distributed_optimizer=args.use_distributed_optimizer,
             num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
             reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward,
-            accumulate_unsharded_grads_in_no_sync=args.torch_fsdp2_accumulate_unsharded_grads)
+            accumulate_unsharded_grads_in_no_sync=args.torch_fsdp2_accumulate_unsharded_grads,
+            fsdp_copy_kernels=args.torch_fsdp2_copy_kernels is not False)
         if args.fp8_param_gather:
             fields["fp8_param_gather"] = True
         model = TorchFullyShardedDataParallel(get_model_config(model), TorchFullyShardedDataParallelConfig(**fields),
                                               model)
+        print_rank_0("> FSDP2 copy ops: " + ("megatron_fsdp's kernels" if model.fsdp_copy_kernels_active else
+                                            "torch's" + (" (megatron_fsdp's kernels unavailable: warned above)"
+                                                         if fields["fsdp_copy_kernels"] else "")))
     return [model]
 
 
