@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,16 @@ class _ParallelState:
 
 
 _STATE: Optional[_ParallelState] = None
+# What destroy_model_parallel also drops, registered by the modules that keep state tied to the
+# groups (tensor_parallel.random's RNG tracker): they import this module, never the reverse.
+_ON_DESTROY: list[Callable[[], None]] = []
+
+
+def on_destroy_model_parallel(reset: Callable[[], None]) -> Callable[[], None]:
+    """Call `reset()` each time destroy_model_parallel drops the state; returns it."""
+    if reset not in _ON_DESTROY:
+        _ON_DESTROY.append(reset)
+    return reset
 
 
 class ModelParallelNotInitializedError(RuntimeError):
@@ -190,9 +200,8 @@ def destroy_model_parallel() -> None:
     if _STATE is None:
         return
     _STATE = None
-    from . import tensor_parallel  # local import: tensor_parallel imports this module
-
-    tensor_parallel.random.get_cuda_rng_tracker().reset()
+    for reset in _ON_DESTROY:
+        reset()
 
 
 # ---------------------------------------------------------------- DeviceMesh

@@ -35,6 +35,25 @@ def _differs(value: Any, allowed: Any) -> bool:
         return True
 
 
+def unwrap_model(model, module_instances=None):
+    """Megatron-Core's helper: the model(s) inside their wrappers (a list
+    stays a list). `module_instances`: the wrapper classes to look through;
+    by default the data-parallel wrappers, which say so with the class
+    attribute `is_data_parallel_wrapper` (they live above this module)."""
+    def is_wrapper(m):
+        if module_instances is not None:
+            return isinstance(m, module_instances)
+        return getattr(type(m), "is_data_parallel_wrapper", False)
+
+    chunks = model if isinstance(model, list) else [model]
+    unwrapped = []
+    for chunk in chunks:
+        while is_wrapper(chunk):
+            chunk = chunk.module
+        unwrapped.append(chunk)
+    return unwrapped if isinstance(model, list) else unwrapped[0]
+
+
 def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_model_obj: bool = False):
     """`attr` of `model`, looked up through wrappers (`.module` chains: the
     data-parallel wrapper, Float16Module-style wrappers) as Megatron-Core does.

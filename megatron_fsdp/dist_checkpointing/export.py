@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from . import core
 from .core import CheckpointError
 from .publish import fsync_dir
-from .torch_dcp import unwrap
+from ..utils import unwrap_model
 
 
 def _all_ok(ok: bool) -> bool:
@@ -41,7 +41,7 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
         raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
     from ..transformer.mlp import MLP
 
-    inner = unwrap(model)
+    inner = unwrap_model(model)
     state = inner.state_dict()
     interleaved = {f"{name}.linear_fc1.{p}".lstrip(".") for name, m in inner.named_modules()
                    if isinstance(m, MLP) and m.gated for p in ("weight", "bias")}

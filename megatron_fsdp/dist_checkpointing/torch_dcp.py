@@ -18,15 +18,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..utils import unwrap_model
 from . import vocab_padding
 from .checksums import ChecksumFileSystemWriter
 from .core import CheckpointError, describe
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    from ..distributed.data_parallel_base import _BaseDataParallel
-
-    return model.module if isinstance(model, _BaseDataParallel) else model
 
 
 def _inner_optimizer(optimizer):
@@ -41,7 +36,7 @@ def _optimizer_owner(inner: nn.Module, optimizer) -> nn.Module:
 
 def sharded_state(model: nn.Module, optimizer=None, main_params: bool = True) -> dict:
     """{"model", "optimizer", "main_params"}: DTensor shards, as DCP saves and loads them."""
-    inner = unwrap(model)
+    inner = unwrap_model(model)
     state = {"model": get_model_state_dict(inner)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(_optimizer_owner(inner, optimizer),
@@ -74,7 +69,7 @@ def prepare_load(path: str, model: nn.Module, optimizer, saved: dict, saved_voca
     """The state to load into and the tensors to read partially (vocabulary
     rows across padding); raises CheckpointError when the checkpoint does not fit."""
     state = sharded_state(model, optimizer, main_params=any(k.startswith("main_params.") for k in saved))
-    rows = vocab_padding.plan_rows(path, saved, state, vocab_padding.vocab_param_names(unwrap(model)),
+    rows = vocab_padding.plan_rows(path, saved, state, vocab_padding.vocab_param_names(unwrap_model(model)),
                                    saved_vocab, true_vocab_size)
     return state, rows
 
@@ -82,12 +77,12 @@ def prepare_load(path: str, model: nn.Module, optimizer, saved: dict, saved_voca
 def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict) -> None:
     """Read the shards into `state` (collective), then into the model and optimizer."""
     if rows:
-        vocab_padding.zero_fill(state, vocab_padding.vocab_param_names(unwrap(model)), rows)
+        vocab_padding.zero_fill(state, vocab_padding.vocab_param_names(unwrap_model(model)), rows)
     try:
         dcp.load(state, checkpoint_id=path, planner=vocab_padding.RowsLoadPlanner(rows))
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {describe(exc)}") from exc
-    inner = unwrap(model)
+    inner = unwrap_model(model)
     set_model_state_dict(inner, state["model"], options=StateDictOptions(strict=True))
     if optimizer is not None and "main_params" not in state and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()

@@ -3,7 +3,6 @@
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig, TorchFullyShardedDataParallelConfig
 from .finalize_model_grads import finalize_model_grads
-from .fsdp_units import default_fsdp_unit
 from .torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 
 __all__ = [
@@ -11,6 +10,5 @@ __all__ = [
     "TorchFullyShardedDataParallel",
     "TorchFullyShardedDataParallelConfig",
     "_BaseDataParallel",
-    "default_fsdp_unit",
     "finalize_model_grads",
 ]

@@ -14,6 +14,8 @@ class _BaseDataParallel(torch.nn.Module):
     calls and state dicts to the wrapped module.
     """
 
+    is_data_parallel_wrapper = True  # what megatron_fsdp.utils.unwrap_model looks through
+
     def __init__(self, config, module: torch.nn.Module):
         super().__init__()
         self.config = config

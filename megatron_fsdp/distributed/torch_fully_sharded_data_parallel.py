@@ -15,12 +15,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .. import _torch_compat, parallel_state
+from .. import _torch_compat, parallel_state, tensor_parallel
 from ..fp8 import refresh_fp8_scales
+from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from ..transformer.transformer_layer import TransformerLayer
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .fsdp_plan import apply_fsdp_plan, plan_fsdp
-from .fsdp_units import DEFAULT_SUB_MODULES_TO_WRAP
+
+# Megatron-Core's default units, named in the signature as Megatron-Core does (the
+# data-parallel package sits above the model packages; none of them imports it).
+DEFAULT_SUB_MODULES_TO_WRAP = frozenset(
+    {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding, tensor_parallel.ColumnParallelLinear})
 
 
 def _copy_kernels_installed() -> bool:
@@ -36,9 +43,9 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
       `sub_modules_to_wrap` (plus classes listed in any submodule's
       `_fsdp_modules`) is its own unit, sharded bottom-up; the root module is
       the last unit. (Instances nested in a unit join it.) The default set is
-      the classes declared with `fsdp_units.default_fsdp_unit`: Megatron's
-      TransformerLayer, LanguageModelEmbedding, RotaryEmbedding and
-      ColumnParallelLinear. `disable_bucketing=True` makes the root the only
+      Megatron-Core's: TransformerLayer, LanguageModelEmbedding, RotaryEmbedding
+      and ColumnParallelLinear (the output layer); a model adds its own unit
+      classes with a `_fsdp_modules` list, as in Megatron-Core. `disable_bucketing=True` makes the root the only
       unit: one all-gather and one reduce-scatter for the whole model per step.
     - A parameter used outside the unit that owns it (tied embedding and
       output weights) stays in the root unit, which is gathered for the whole

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _torch_compat, parallel_state
+from ..utils import unwrap_model
 from ..kernels.amax import multi_tensor_amax
 from .convert import _fp8_linears
 from .scaling import scale_from_amax
@@ -33,14 +34,8 @@ from .weight import Fp8TrainingWeight
 Modules = Union[nn.Module, Iterable[nn.Module]]
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    from ..distributed.data_parallel_base import _BaseDataParallel
-
-    return model.module if isinstance(model, _BaseDataParallel) else model
-
-
 def _as_list(models: Modules) -> list[nn.Module]:
-    return [_unwrap(m) for m in ([models] if isinstance(models, nn.Module) else list(models))]
+    return [unwrap_model(m) for m in ([models] if isinstance(models, nn.Module) else list(models))]
 
 
 def has_fp8_linears(models: Modules) -> bool:

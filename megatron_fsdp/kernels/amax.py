@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from . import _load_extension, extension_available, extension_has_cuda
+from .extension import _load_extension, extension_available, extension_has_cuda
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 

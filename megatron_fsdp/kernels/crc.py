@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from . import _load_extension, extension_available
+from .extension import _load_extension, extension_available
 
 _POLY = 0x82F63B78  # reflected 0x1EDC6F41
 _MASK = 0xFFFFFFFF

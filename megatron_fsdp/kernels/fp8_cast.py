@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import extension_available, extension_has_cuda
+from .extension import extension_available, extension_has_cuda
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 

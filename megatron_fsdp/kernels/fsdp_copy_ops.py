@@ -28,7 +28,8 @@ import warnings
 import torch
 
 from .. import _torch_compat
-from . import _load_extension, extension_available, fsdp_mixed_precision_hook
+from . import fsdp_mixed_precision_hook
+from .extension import _load_extension, extension_available
 
 # The schemas we implement (torch 2.9-2.14 declare them so): the compatibility module's pin.
 EXPECTED_SCHEMAS = _torch_compat.FSDP_COPY_OP_SCHEMAS

@@ -30,10 +30,6 @@ from .utils import (
     split_tensor_along_last_dim,
     split_tensor_into_1d_equal_chunks,
 )
-from ..distributed.fsdp_units import default_fsdp_unit
-
-# Megatron's default FSDP units include the output layer, a ColumnParallelLinear.
-default_fsdp_unit(ColumnParallelLinear)
 
 __all__ = [
     "ColumnParallelLinear",

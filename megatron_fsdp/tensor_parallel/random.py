@@ -99,6 +99,8 @@ class CudaRNGStatesTracker:
 
 
 _CUDA_RNG_STATE_TRACKER = CudaRNGStatesTracker()
+# Its streams are seeded per TP rank: stale once the groups are gone.
+parallel_state.on_destroy_model_parallel(_CUDA_RNG_STATE_TRACKER.reset)
 
 
 def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker: bool = False,

@@ -50,6 +50,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import parallel_state
+from ..utils import unwrap_model
 from ..dist_checkpointing import checksums, core, publish, torch_dcp
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.export import export_safetensors
@@ -176,7 +177,7 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
                 "iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION, "layout": _layout(),
                 "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
                 "grad_scaler": _grad_scaler_state(optimizer),
-                "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(torch_dcp.unwrap(model))},
+                "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(unwrap_model(model))},
                 # fp8 delayed-scaling histories (the same on every rank); weights are saved in high precision.
                 "fp8": fp8_state_dict(model) if has_fp8_linears(model) else None,
                 "extra_state": extra_state or {}})
@@ -338,7 +339,7 @@ def _check_scheduler(opt_param_scheduler, saved: dict) -> None:
 
 def _padded_vocab_sizes(model: nn.Module, saved: dict, state: dict) -> Optional[tuple[int, int]]:
     """(rows saved, rows now) of the vocabulary tables when the padding differs, else None."""
-    for name in vocab_param_names(torch_dcp.unwrap(model)):
+    for name in vocab_param_names(unwrap_model(model)):
         before, now = saved.get(f"model.{name}"), state.get("model", {}).get(name)
         if before is None or now is None or not hasattr(before, "size"):
             continue

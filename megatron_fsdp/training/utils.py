@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
+from ..utils import unwrap_model  # noqa: F401  (Megatron-LM keeps it in megatron.training.utils too)
 
 
 def _distributed() -> bool:
@@ -28,17 +29,6 @@ def print_rank_last(message: str) -> None:
     """Megatron prints its training log from the last rank."""
     if is_last_rank():
         print(message, flush=True)
-
-
-def unwrap_model(model, module_instances=None):
-    """The model(s) inside data-parallel (and similar `.module`) wrappers."""
-    chunks = model if isinstance(model, list) else [model]
-    unwrapped = []
-    for chunk in chunks:
-        while hasattr(chunk, "module") and (module_instances is None or isinstance(chunk, module_instances)):
-            chunk = chunk.module
-        unwrapped.append(chunk)
-    return unwrapped if isinstance(model, list) else unwrapped[0]
 
 
 def memory_report(name: str) -> str:

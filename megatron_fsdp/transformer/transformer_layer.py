@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.fsdp_units import default_fsdp_unit
 from ..fp8 import configure_fp8_layer
 from .attention import SelfAttention
 from .enums import AttnMaskType
@@ -36,7 +35,6 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
     return residual + F.dropout(x, p=prob, training=training)
 
 
-@default_fsdp_unit  # each layer is an FSDP unit by default, as in Megatron-Core
 class TransformerLayer(nn.Module):
     """Megatron-Core's local-spec layer. forward returns (hidden_states, context)
     as Megatron's does; context is always None (no cross-attention)."""

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from .... import parallel_state
-from ....distributed.fsdp_units import default_fsdp_unit
 from ....tensor_parallel import random as tp_random
 from ....tensor_parallel.layers import VocabParallelEmbedding
 from ....tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -27,7 +26,6 @@ def _replicated_embedding(num: int, dim: int, config) -> nn.Embedding:
     return embedding
 
 
-@default_fsdp_unit
 class LanguageModelEmbedding(nn.Module):
     def __init__(self, config, vocab_size: int, max_sequence_length: int,
                  position_embedding_type: str = "learned_absolute", num_tokentypes: int = 0,

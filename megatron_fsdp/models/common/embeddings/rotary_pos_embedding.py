@@ -8,10 +8,8 @@ import torch
 from torch import nn
 
 from .... import parallel_state
-from ....distributed.fsdp_units import default_fsdp_unit
 
 
-@default_fsdp_unit
 class RotaryEmbedding(nn.Module):
     """Produces the rotation angles; `apply_rotary_pos_emb` rotates q and k with them."""
 
