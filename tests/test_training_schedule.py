@@ -71,6 +71,22 @@ def test_schedule_runs_all_but_the_last_microbatch_in_no_sync_then_finalizes():
     torch.testing.assert_close(model.weight.grad, torch.tensor([3.0, 2.0, 7.0]) * 8.0 / 6.0)
 
 
+@pytest.mark.parametrize("kwargs, config_fields, match", [
+    ({"pg_collection": object()}, {}, "pg_collection=object is not supported"),
+    ({"force_all_reduce": True}, {}, "force_all_reduce=True is not supported"),
+    ({}, {"calculate_per_token_loss": True}, "config.calculate_per_token_loss=True is not supported"),
+])
+def test_schedule_refuses_what_it_cannot_honour_before_any_microbatch(kwargs, config_fields, match):
+    model = MegatronModule(ModelParallelConfig())
+    for name, value in config_fields.items():
+        setattr(model.config, name, value)
+    ran = []
+    with pytest.raises(NotImplementedError, match=match):
+        get_forward_backward_func()(forward_step_func=lambda it, m: ran.append("forward"), data_iterator=iter([]),
+                                    model=[model], num_microbatches=2, **kwargs)
+    assert ran == []
+
+
 def test_schedule_rejects_pipeline_parallelism():
     with pytest.raises(NotImplementedError, match="pp_size=2"):
         get_forward_backward_func(pp_size=2)

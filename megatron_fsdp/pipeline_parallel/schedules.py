@@ -6,10 +6,11 @@ data-parallel wrapper's `no_sync`), so that gradient synchronization is
 completed with the last one, then calls `config.finalize_model_grads_func`.
 Losses are scaled as in Megatron: a loss function returning
 `(loss, num_tokens, report)` has its loss divided by the tokens and by the
-number of microbatches (unless `config.calculate_per_token_loss`); one
-returning `(loss, report)` is divided by the number of microbatches (and
-multiplied by the context-parallel size). The reports of every microbatch
-are returned in order.
+number of microbatches; one returning `(loss, report)` is divided by the
+number of microbatches (and multiplied by the context-parallel size). The
+reports of every microbatch are returned in order. Megatron's per-token mode
+(`config.calculate_per_token_loss`), `pg_collection` and `force_all_reduce`
+are refused before the first microbatch runs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 
 from .. import parallel_state
-from ..utils import get_attr_wrapped_model, get_model_config, reject_unsupported
+from ..utils import get_model_config, reject_unsupported
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
@@ -53,24 +54,17 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
                  config, cp_group_size: Optional[int] = None, collect_non_loss_data: bool = False,
                  checkpoint_activations_microbatch=None, is_first_microbatch: bool = False,
                  current_microbatch: Optional[int] = None, vp_stage=None, is_last_stage: bool = True):
-    """One microbatch's forward and loss; returns (scaled loss, number of tokens)."""
+    """One microbatch's forward and loss; returns (scaled loss, number of tokens).
+    `is_first_microbatch`, `current_microbatch`, `vp_stage` and `is_last_stage`
+    are Megatron's signature: nothing here depends on them (no fp8 weight cache
+    to refresh, no pipeline)."""
     timer = _timer(config, "forward-compute", 2)
     if timer is not None:
         timer.start()
-    if is_first_microbatch:
-        try:
-            get_attr_wrapped_model(model, "set_is_first_microbatch")()
-        except RuntimeError:
-            pass  # a model without fp8 weight caches has nothing to refresh
-    if getattr(config, "enable_autocast", False):
-        autocast = torch.autocast(_device().type, dtype=config.autocast_dtype)
+    if checkpoint_activations_microbatch is None:
+        output_tensor, loss_func = forward_step_func(data_iterator, model)
     else:
-        autocast = contextlib.nullcontext()
-    with autocast:
-        if checkpoint_activations_microbatch is None:
-            output_tensor, loss_func = forward_step_func(data_iterator, model)
-        else:
-            output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
+        output_tensor, loss_func = forward_step_func(data_iterator, model, checkpoint_activations_microbatch)
     if cp_group_size is None:
         cp_group_size = (parallel_state.get_context_parallel_world_size()
                          if parallel_state.model_parallel_is_initialized() else 1)
@@ -83,10 +77,9 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
         outputs = loss_func(output_tensor)
         if len(outputs) == 3:
             output_tensor, num_tokens, loss_reduced = outputs
-            if not getattr(config, "calculate_per_token_loss", False):
-                # A microbatch whose tokens are all masked contributes zero, not NaN.
-                output_tensor = output_tensor / torch.clamp(num_tokens, min=1)
-                output_tensor = output_tensor / num_microbatches
+            # A microbatch whose tokens are all masked contributes zero, not NaN.
+            output_tensor = output_tensor / torch.clamp(num_tokens, min=1)
+            output_tensor = output_tensor / num_microbatches
         elif len(outputs) == 2:
             output_tensor, loss_reduced = outputs
             output_tensor = output_tensor * cp_group_size / num_microbatches
@@ -111,10 +104,6 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
     if timer is not None:
         timer.stop()
     return None
-
-
-def _device() -> torch.device:
-    return parallel_state.get_device() if parallel_state.model_parallel_is_initialized() else torch.device("cpu")
 
 
 def forward_backward_no_pipelining(
@@ -149,26 +138,26 @@ def forward_backward_no_pipelining(
         data_iterator = data_iterator[0]
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    reject_unsupported("forward_backward_no_pipelining", {
-        "adjust_tensor_shapes_fn": (adjust_tensor_shapes_fn, None, "it applies to pipeline schedules only")})
-
     config = get_model_config(model)
+    reject_unsupported("forward_backward_no_pipelining", {
+        "adjust_tensor_shapes_fn": (adjust_tensor_shapes_fn, None, "it applies to pipeline schedules only"),
+        "pg_collection": (pg_collection, None, "process groups come from parallel_state"),
+        "config.calculate_per_token_loss": (getattr(config, "calculate_per_token_loss", False), False,
+                                            "each microbatch's loss is averaged over its tokens"),
+        "force_all_reduce": (bool(force_all_reduce), False,
+                             "FSDP keeps sharded gradients; gather full ones with DTensor.full_tensor()")})
     timer = _timer(config, "forward-backward", 1)
     if timer is not None:
         timer.start(barrier=getattr(config, "barrier_with_L1_time", False))
     no_sync_func = config.no_sync_func or contextlib.nullcontext
-    cp_size = pg_collection.cp.size() if pg_collection is not None else None
     forward_data_store = []
-    total_num_tokens = torch.zeros([], dtype=torch.int, device=_device())
 
     def one_microbatch(i: int) -> None:
-        nonlocal total_num_tokens
-        output_tensor, num_tokens = forward_step(
+        output_tensor, _ = forward_step(
             forward_step_func, data_iterator, model, num_microbatches, None, forward_data_store, config,
-            cp_size, collect_non_loss_data,
+            None, collect_non_loss_data,
             is_first_microbatch=check_first_val_step(first_val_step, forward_only, i == 0),
             current_microbatch=i)
-        total_num_tokens = total_num_tokens + torch.as_tensor(num_tokens).to(total_num_tokens.device)
         if not forward_only:
             backward_step(None, output_tensor, None, config)
 
@@ -179,9 +168,8 @@ def forward_backward_no_pipelining(
     one_microbatch(num_microbatches - 1)
 
     if config.finalize_model_grads_func is not None and not forward_only:
-        config.finalize_model_grads_func(
-            [model], total_num_tokens if getattr(config, "calculate_per_token_loss", False) else None,
-            pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        # No per-token mode: no token count for the gradients (Megatron passes None then too).
+        config.finalize_model_grads_func([model], None, pg_collection=None, force_all_reduce=False)
     if timer is not None:
         timer.stop()
     return forward_data_store

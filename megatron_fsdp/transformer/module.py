@@ -16,15 +16,3 @@ class MegatronModule(torch.nn.Module):
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """The state dict a checkpoint stores; subclasses override it to leave entries out."""
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
-
-    def set_is_first_microbatch(self) -> None:
-        """With fp8, tell every submodule that has an `is_first_microbatch`
-        flag that a new step starts (fp8 layers refresh cached casts of their
-        weights then). Without fp8 nothing needs it."""
-        if getattr(self.config, "fp8", None) is None:
-            return
-        if not hasattr(self, "_modules_with_is_first_microbatch"):
-            self._modules_with_is_first_microbatch = [m for m in self.modules()
-                                                      if hasattr(m, "is_first_microbatch")]
-        for module in self._modules_with_is_first_microbatch:
-            module.is_first_microbatch = True
