@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _torch_compat
-from .utils import reject_unsupported
+from .utils import check_positive_int, reject_unsupported
 
 SUPPORTED_ORDER_DIMS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -76,11 +76,6 @@ def parse_order(order: str, sizes: dict[str, int]) -> list[str]:
             f"order {order!r} does not name {', '.join(missing)}, whose size is larger than 1"
         )
     return [n for n in names if n != "ep"] + [n for n in sizes if n not in names and n != "ep"]
-
-
-def check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_parallel_size,

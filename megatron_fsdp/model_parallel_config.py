@@ -7,12 +7,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .utils import reject_unsupported as _reject_unsupported
+from .utils import check_positive_int, reject_unsupported
 
 
-def reject_unsupported(config, unsupported: dict[str, object]) -> None:
-    """Raise for a config field set away from the only value this library honours."""
-    _reject_unsupported(type(config).__name__,
+def reject_unsupported_fields(config, unsupported: dict[str, object]) -> None:
+    """Raise for a config field set away from the only value this library honours
+    (utils.reject_unsupported, with the config's class and field values)."""
+    reject_unsupported(type(config).__name__,
                         {name: (getattr(config, name), allowed) for name, allowed in unsupported.items()})
 
 
@@ -49,14 +50,12 @@ class ModelParallelConfig:
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 cannot both be True")
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
             raise ValueError(f"params_dtype must be a floating-point torch.dtype, got {self.params_dtype!r}")
-        reject_unsupported(self, {
+        reject_unsupported_fields(self, {
             "pipeline_model_parallel_size": 1,
             "virtual_pipeline_model_parallel_size": None,
             "expert_model_parallel_size": 1,

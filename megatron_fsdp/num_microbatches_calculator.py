@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+from .utils import check_positive_int
+
 logger = logging.getLogger(__name__)
 
 _GLOBAL_NUM_MICROBATCHES_CALCULATOR: Optional["NumMicroBatchesCalculator"] = None
@@ -87,8 +89,7 @@ def build_num_microbatches_calculator(rank: int, rampup_batch_size: Optional[Seq
                                       decrease_batch_size_if_needed: bool = False) -> "NumMicroBatchesCalculator":
     for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size),
                         ("data_parallel_size", data_parallel_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_int(name, value)
     if rampup_batch_size is None:
         calculator = ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
                                                        decrease_batch_size_if_needed, rank)

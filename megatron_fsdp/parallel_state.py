@@ -226,6 +226,12 @@ def get_device() -> torch.device:
     return torch.device("cpu")
 
 
+def get_device_or_cpu() -> torch.device:
+    """get_device() once model parallelism is initialized, the CPU before (a
+    collective of a plain gloo job, a check run before start-up)."""
+    return get_device() if model_parallel_is_initialized() else torch.device("cpu")
+
+
 def get_tensor_model_parallel_mesh() -> DeviceMesh:
     return _state().dim_meshes["tp"]
 

@@ -1,8 +1,109 @@
-"""Small helpers shared across the package (Megatron-Core's `megatron.core.utils` place)."""
+"""Small helpers shared across the package (Megatron-Core's `megatron.core.utils` place).
+
+The process helpers live here once: whether torch.distributed is up, this
+process's rank and the world size, one verdict that every rank agrees on,
+objects from rank 0 or from every rank, positive-integer checks, unwrapping
+the data-parallel wrapper, and the unsupported-option error.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import os
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _torch_compat
+
+
+# ---------------------------------------------------------------- the process
+
+def is_distributed() -> bool:
+    """torch.distributed is available and its default group is up."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank_safe() -> int:
+    """This process's global rank; before the group is up, torchrun's RANK (0 without it)."""
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
+
+
+def get_world_size_safe() -> int:
+    """The world size; before the group is up, torchrun's WORLD_SIZE (1 without it)."""
+    return dist.get_world_size() if is_distributed() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def any_rank(flag: bool, *, device: Optional[torch.device] = None,
+             group: Optional[dist.ProcessGroup] = None) -> bool:
+    """True on every rank of `group` when `flag` is True on any of them (one
+    all-reduce; `device` is where the backend reduces: cuda with NCCL). A
+    failure one rank sees must stop every rank alike, not leave the others
+    waiting in their next collective."""
+    if not is_distributed():
+        return bool(flag)
+    verdict = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    return bool(verdict.item())
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` (any picklable object) on every rank."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_objects(value: Any) -> list:
+    """Every rank's `value`, in rank order, on every rank."""
+    if not is_distributed():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def gather_to_rank0(value: Any) -> Optional[list]:
+    """Every rank's `value` on rank 0 (None elsewhere)."""
+    if not is_distributed():
+        return [value]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
+def non_finite_ranks(loss: Optional[torch.Tensor] = None, grads=None, *, device: Optional[torch.device] = None,
+                     group: Optional[dist.ProcessGroup] = None) -> tuple[list[int], list[int]]:
+    """(global ranks whose loss is not finite, ranks holding a non-finite
+    gradient), the same on every rank of `group`, with one all-reduce for
+    both. `grads` are this rank's local shards (DTensors are read locally)."""
+    grads = [(g.to_local() if hasattr(g, "to_local") else g).detach() for g in (grads or ())]
+    if device is None:
+        device = loss.device if loss is not None else (grads[0].device if grads else None)
+    distributed = is_distributed()
+    world = dist.get_world_size(group) if distributed else 1
+    rank = dist.get_rank(group) if distributed else 0
+    flags = torch.zeros(2, world, device=device)
+    flags[0, rank] = 0.0 if loss is None or bool(torch.isfinite(loss.detach()).all()) else 1.0
+    # The inf-norm is each tensor's max |x|: inf if any element is, NaN if any is.
+    finite = not grads or bool(torch.stack(_torch_compat.foreach_norm(grads, float("inf"))).isfinite().all())
+    flags[1, rank] = 0.0 if finite else 1.0
+    if distributed:
+        dist.all_reduce(flags, group=group)
+    to_global = (lambda r: dist.get_global_rank(group, r)) if distributed and group is not None else (lambda r: r)
+    bad_loss, bad_grad = (flags[i].nonzero().flatten().tolist() for i in range(2))
+    return [to_global(r) for r in bad_loss], [to_global(r) for r in bad_grad]
+
+
+# ---------------------------------------------------------------- checks
+
+def check_positive_int(name: str, value, where: str = "") -> int:
+    """`value` if it is an int >= 1 (a bool is not); else ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where + ': ' if where else ''}{name} must be a positive integer, got {value!r}")
+    return value
 
 
 def reject_unsupported(where: str, options: Mapping[str, tuple], *,

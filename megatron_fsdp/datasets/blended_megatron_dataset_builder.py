@@ -20,16 +20,13 @@ from megatron_fsdp.datasets.blended_dataset import BlendedDataset
 from megatron_fsdp.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
 from megatron_fsdp.datasets.megatron_dataset import LowLevelDataset, MegatronDataset
 from megatron_fsdp.datasets.utils import Split, log_single_rank, normalize
+from megatron_fsdp.utils import broadcast_from_rank0, is_distributed
 
 logger = logging.getLogger(__name__)
 
 MidLevelDataset = MegatronDataset
 TopLevelDataset = Union[BlendedDataset, MidLevelDataset]
 DistributedDataset = Union[TopLevelDataset, MidLevelDataset, LowLevelDataset, torch.utils.data.Dataset]
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class BlendedMegatronDatasetBuilder:
@@ -196,7 +193,7 @@ class BlendedMegatronDatasetBuilder:
                         megatron_datasets[j].append(dataset)
 
         threads = self.config.num_dataset_builder_threads
-        if _distributed():
+        if is_distributed():
             _rank0_first(lambda: build_all(threads))
         else:
             build_all(threads)
@@ -205,7 +202,7 @@ class BlendedMegatronDatasetBuilder:
     def _build_megatron_dataset_splits(self, dataset_path: Optional[str], split, sizes: List[Optional[int]],
                                        synchronize_ranks: bool = True) -> List[Optional[MidLevelDataset]]:
         """Each split of one low-level dataset (None where the split is empty)."""
-        if _distributed() and not self.is_built_on_rank():
+        if is_distributed() and not self.is_built_on_rank():
             for i in range(len(Split)):
                 if split[i] is not None and synchronize_ranks:
                     _rank0_first(lambda: None)  # the collective the building ranks run
@@ -232,7 +229,7 @@ class BlendedMegatronDatasetBuilder:
     def build_generic_dataset(cls: Union[Type[DistributedDataset], Callable], is_built_on_rank: Callable,
                               synchronize_ranks: bool, *args: Any) -> Optional[Union[DistributedDataset, Iterable]]:
         """`cls(*args)`: on rank 0 first, then on the other ranks that build (see _rank0_first)."""
-        if not _distributed():
+        if not is_distributed():
             return cls(*args)
         build = (lambda: cls(*args)) if is_built_on_rank() else (lambda: None)
         if synchronize_ranks:
@@ -251,12 +248,11 @@ def _rank0_first(build: Callable[[], Any]) -> Any:
             result = build()
         except Exception as exc:  # re-raised below, after the others have heard of it
             error = exc
-    status = [None if error is None else f"{type(error).__name__}: {error}"]
-    torch.distributed.broadcast_object_list(status, src=0)
+    status = broadcast_from_rank0(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    if status[0] is not None:
-        raise RuntimeError(f"building the datasets failed on rank 0: {status[0]}")
+    if status is not None:
+        raise RuntimeError(f"building the datasets failed on rank 0: {status}")
     return build() if rank != 0 else result
 
 

@@ -16,16 +16,11 @@ import tempfile
 from typing import Dict, Iterable, Optional
 
 import numpy
-import torch
 
 from megatron_fsdp.datasets.utils import log_single_rank
+from megatron_fsdp.utils import get_rank_safe
 
 logger = logging.getLogger(__name__)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() \
-        else 0
 
 
 class IndexCache:
@@ -50,11 +45,11 @@ class IndexCache:
         """Megatron's rule: build when there is no cache, or on rank 0 when the cache is missing."""
         if self.hit():
             return False
-        if self.directory and _rank() != 0:
+        if self.directory and get_rank_safe() != 0:
             log_single_rank(logger, logging.WARNING,
-                            f"rank {_rank()} finds no index cache in {self.directory} after rank 0 built it "
+                            f"rank {get_rank_safe()} finds no index cache in {self.directory} after rank 0 built it "
                             "(a directory not shared between nodes?); building the same indices here",
-                            rank=_rank())
+                            rank=get_rank_safe())
         return True
 
     def load(self) -> Dict[str, numpy.ndarray]:

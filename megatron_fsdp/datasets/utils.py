@@ -9,6 +9,8 @@ from typing import List, Optional, Tuple
 
 import numpy
 
+from megatron_fsdp.utils import get_rank_safe
+
 logger = logging.getLogger(__name__)
 
 
@@ -20,10 +22,7 @@ class Split(Enum):
 
 def log_single_rank(log: logging.Logger, *args, rank: int = 0, **kwargs) -> None:
     """Log on one rank only (rank 0 by default; every process when torch.distributed is not up)."""
-    import torch.distributed as dist
-
-    current = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if current == rank:
+    if get_rank_safe() == rank:
         log.log(*args, **kwargs)
 
 

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from .. import kernels
-from . import core
+from ..utils import all_gather_objects, get_rank_safe, get_world_size_safe
 from .core import CheckpointError
 from .publish import write_atomic
 
@@ -238,9 +238,9 @@ def _share(files: dict, ranks: int) -> list[list[str]]:
 def verify(checkpoint: str, files: dict) -> None:
     """Every rank checks its share of `files` (the manifest rank 0 read);
     then every rank raises the same CheckpointError naming each bad file."""
-    mine = _share(files, core.world_size())[core.rank()]
+    mine = _share(files, get_world_size_safe())[get_rank_safe()]
     problems = [p for p in (_file_problem(checkpoint, n, files[n]) for n in mine) if p]
-    found = sorted(p for share in core.all_gather(problems) for p in share)
+    found = sorted(p for share in all_gather_objects(problems) for p in share)
     if found:
         shown = "\n  ".join(found[:10]) + ("\n  ..." if len(found) > 10 else "")
         raise CheckpointError(f"checkpoint {checkpoint} is corrupt: a file differs from what was saved:\n  {shown}")

@@ -1,46 +1,17 @@
-"""The error every checkpoint failure raises, and the few collectives that
-make every rank see the same outcome."""
+"""The error every checkpoint failure raises, and the one verdict every rank
+raises alike (the collectives themselves are megatron_fsdp.utils')."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+
+from ..utils import all_gather_objects
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model."""
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
-
-
-def broadcast_from_rank0(value: Any) -> Any:
-    """Rank 0's `value` on every rank: one view of files that can change
-    between two ranks' reads (the tracker, a manifest)."""
-    if not is_distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def all_gather(value: Any) -> list:
-    if not is_distributed():
-        return [value]
-    out = [None] * world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def describe(exc: BaseException) -> str:
@@ -61,7 +32,7 @@ def raise_if_any_failed(error: Optional[BaseException], what: str) -> None:
     message = None
     if error is not None:
         message = str(error) if isinstance(error, CheckpointError) else describe(error)
-    messages = all_gather(message)
+    messages = all_gather_objects(message)
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if not failed:
         return
@@ -71,12 +42,3 @@ def raise_if_any_failed(error: Optional[BaseException], what: str) -> None:
         # DCP's failures are already one "rank N: ..." line each, the same on every rank.
         detail = "; ".join(dict.fromkeys(m if m.startswith("rank ") else f"rank {r}: {m}" for r, m in failed))
     raise CheckpointError(f"{what}: {detail}") from error
-
-
-def gather_to_rank0(value: Any) -> Optional[list]:
-    """Every rank's `value` on rank 0 (None elsewhere)."""
-    if not is_distributed():
-        return [value]
-    out = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(value, out, dst=0)
-    return out

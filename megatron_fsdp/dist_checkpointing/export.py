@@ -11,14 +11,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import core
 from .core import CheckpointError
 from .publish import fsync_dir
-from ..utils import unwrap_model
+from ..utils import all_gather_objects, get_rank_safe, is_distributed, unwrap_model
 
 
 def _all_ok(ok: bool) -> bool:
-    return all(core.all_gather(ok))
+    return all(all_gather_objects(ok))
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
@@ -55,7 +54,7 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # keep the data 8-byte aligned
 
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if core.rank() == 0 else None
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if get_rank_safe() == 0 else None
     error, f = None, None
     try:
         if tmp is not None:
@@ -93,5 +92,5 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
     if tmp:
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(os.path.abspath(path)))
-    if core.is_distributed():
+    if is_distributed():
         dist.barrier()

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Optional
 
 from ..fp8.convert import check_fp8_reshard
-from ..utils import reject_unsupported
+from ..utils import check_positive_int, reject_unsupported
 
 
 @dataclasses.dataclass
@@ -85,9 +85,7 @@ class DistributedDataParallelConfig:
     }
 
     def __post_init__(self):
-        n = self.num_distributed_optimizer_instances
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {n!r}")
+        check_positive_int("num_distributed_optimizer_instances", self.num_distributed_optimizer_instances)
         if not isinstance(self.fp8_param_gather, bool):
             raise ValueError(f"fp8_param_gather must be True or False, got {self.fp8_param_gather!r}")
         defaults = {f.name: f.default for f in dataclasses.fields(DistributedDataParallelConfig)}

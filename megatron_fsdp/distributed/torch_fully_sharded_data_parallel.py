@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat, parallel_state, tensor_parallel
+from ..utils import any_rank
 from ..fp8 import refresh_fp8_scales
 from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -162,10 +163,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         # rank raises, not only the one holding the bad shard.
         bad = [name for name, p in self.module.named_parameters() if p.grad is not None
                and not torch.isfinite(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).all()]
-        flag = torch.tensor([1.0 if bad else 0.0], device=parallel_state.get_device()
-                            if parallel_state.model_parallel_is_initialized() else None)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+        if any_rank(bool(bad), device=parallel_state.get_device_or_cpu()):
             where = f"this rank's shards of {bad[:5]}" if bad else "shards held by other ranks"
             raise RuntimeError(f"rank {dist.get_rank()}: non-finite gradient (NaN or Inf) in {where}")
 

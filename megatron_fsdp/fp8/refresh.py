@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _torch_compat, parallel_state
-from ..utils import unwrap_model
+from ..utils import is_distributed, unwrap_model
 from ..kernels.amax import multi_tensor_amax
 from .convert import _fp8_linears
 from .scaling import scale_from_amax
@@ -71,12 +71,11 @@ def _refresh(models: Modules, group, update_histories: bool) -> None:
                 histories += [h for _, h in state.histories()]
     if not weights and not histories:
         return
-    device = weights[0]._data.device if weights else (
-        parallel_state.get_device() if parallel_state.model_parallel_is_initialized() else torch.device("cpu"))
+    device = weights[0]._data.device if weights else parallel_state.get_device_or_cpu()
     amaxes = [multi_tensor_amax([w._data for w in weights]).to(device)] if weights else []
     amaxes += [torch.stack([h.pending_amax(device) for h in histories])] if histories else []
     amax = torch.cat(amaxes) if len(amaxes) > 1 else amaxes[0]
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         group = _default_group() if group is None else group
         if dist.get_world_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)

@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat
 from ..fp8.refresh import has_fp8_linears, refresh_fp8_scales
-from ..model_parallel_config import reject_unsupported
+from ..model_parallel_config import reject_unsupported_fields
+from ..utils import is_distributed
 from .clip_grads import clip_grad_norm_, count_zeros_fp32, get_grad_norm_fp32
 from .grad_scaler import MegatronGradScaler, build_grad_scaler
 
@@ -78,7 +79,7 @@ class OptimizerConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
-        reject_unsupported(self, {"optimizer_cpu_offload": False})
+        reject_unsupported_fields(self, {"optimizer_cpu_offload": False})
         if self.params_dtype not in _PARAMS_DTYPES:
             raise ValueError(f"params_dtype must be one of {list(_PARAMS_DTYPES)}, got {self.params_dtype!r}")
         if self.fp16 and self.bf16:
@@ -183,7 +184,7 @@ class MegatronOptimizer:
             found_here = torch.zeros(1, dtype=torch.float32, device=device)
             _torch_compat.amp_non_finite_check_and_unscale_(grads, found_here, inv_scale.to(device))
             found_inf += found_here.to(scaler_device)
-        if dist.is_available() and dist.is_initialized():
+        if is_distributed():
             # The whole world: with FSDP every rank holds different shards, and
             # a skip must be unanimous or the ranks' weights drift apart.
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.get_grad_stats_parallel_group())

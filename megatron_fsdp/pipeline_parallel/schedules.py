@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 
 from .. import parallel_state
-from ..utils import get_model_config, reject_unsupported
+from ..utils import check_positive_int, get_model_config, reject_unsupported
 
 
 def get_forward_backward_func(pp_size: Optional[int] = None, vp_size: Optional[int] = None,
@@ -136,8 +136,7 @@ def forward_backward_no_pipelining(
         if len(data_iterator) != 1:
             raise ValueError(f"the schedule without pipelining takes one data iterator, got {len(data_iterator)}")
         data_iterator = data_iterator[0]
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    check_positive_int("num_microbatches", num_microbatches)
     config = get_model_config(model)
     reject_unsupported("forward_backward_no_pipelining", {
         "adjust_tensor_shapes_fn": (adjust_tensor_shapes_fn, None, "it applies to pipeline schedules only"),

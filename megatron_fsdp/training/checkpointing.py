@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import parallel_state
-from ..utils import unwrap_model
+from ..utils import broadcast_from_rank0, gather_to_rank0, get_rank_safe, get_world_size_safe, unwrap_model
 from ..dist_checkpointing import checksums, core, publish, torch_dcp
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.export import export_safetensors
@@ -79,7 +79,7 @@ def _layout() -> dict:
     if not parallel_state.model_parallel_is_initialized():
         return {"world_size": 1, "tensor_model_parallel_size": 1, "data_parallel_size": 1}
     return {
-        "world_size": core.world_size(),
+        "world_size": get_world_size_safe(),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
         "context_parallel_size": parallel_state.get_context_parallel_world_size(),
@@ -153,7 +153,7 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
         raise ValueError(f"true_vocab_size must be a positive int, got {true_vocab_size!r}")
     final = checkpoint_dir(save_dir, iteration)
     tmp, setup_error = None, None
-    if core.rank() == 0:
+    if get_rank_safe() == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
             publish.clean_stale(save_dir, _is_complete)
@@ -162,7 +162,7 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
             os.makedirs(os.path.join(tmp, "rng"))
         except OSError as exc:
             setup_error = f"{type(exc).__name__}: {exc}"
-    tmp, setup_error = core.broadcast_from_rank0((tmp, setup_error))
+    tmp, setup_error = broadcast_from_rank0((tmp, setup_error))
     if setup_error:
         raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {setup_error}")
 
@@ -171,8 +171,8 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
     try:
         state = torch_dcp.sharded_state(model, optimizer)
         torch_dcp.save_sharded(state, tmp, record)
-        files = {_rng_name(core.rank()): _serialized(_rng_state())}
-        if core.rank() == 0:
+        files = {_rng_name(get_rank_safe()): _serialized(_rng_state())}
+        if get_rank_safe() == 0:
             files[_COMMON] = _serialized({
                 "iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION, "layout": _layout(),
                 "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
@@ -190,13 +190,13 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
     try:
         core.raise_if_any_failed(error, f"saving checkpoint {final} failed, the previous checkpoint is kept")
     except CheckpointError:
-        if core.rank() == 0:
+        if get_rank_safe() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    per_rank = core.gather_to_rank0(record)
+    per_rank = gather_to_rank0(record)
     publish_error = None
-    if core.rank() == 0:
+    if get_rank_safe() == 0:
         try:
             if record is not None:
                 checksums.write_manifest(tmp, per_rank)
@@ -228,12 +228,12 @@ def _on_rank0(func, *args):
     """`func(*args)` on rank 0, its result or CheckpointError on every rank:
     the files it reads can change between two ranks' reads."""
     outcome = None
-    if core.rank() == 0:
+    if get_rank_safe() == 0:
         try:
             outcome = ("ok", func(*args))
         except (CheckpointError, OSError) as exc:
             outcome = ("error", str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}")
-    kind, value = core.broadcast_from_rank0(outcome)
+    kind, value = broadcast_from_rank0(outcome)
     if kind == "error":
         raise CheckpointError(value)
     return value
@@ -298,7 +298,7 @@ def _grad_scaler_to_load(path: str, common: dict, optimizer, load_optim: bool) -
     if not load_optim or optimizer is None:
         return None
     scaler, saved = getattr(optimizer, "grad_scaler", None), common.get("grad_scaler")
-    log = logger if core.rank() == 0 else None  # every rank decides alike: one says so
+    log = logger if get_rank_safe() == 0 else None  # every rank decides alike: one says so
     if scaler is None:
         if saved and log:
             log.info("checkpoint %s holds fp16 loss-scaler state; the optimizer has no loss scaler "
@@ -411,14 +411,14 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     if verify:
         checksums.verify(path, {name: entry for name, entry in manifest.items() if name not in head})
 
-    error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(core.rank()))
+    error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(get_rank_safe()))
     try:
         scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
         state, rows = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
                                              common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
         restore_rng = load_rng and common["layout"] == _layout()
         if restore_rng and not os.path.isfile(rng_path):
-            raise CheckpointError(f"checkpoint {path} has no RNG state for rank {core.rank()}: load it with "
+            raise CheckpointError(f"checkpoint {path} has no RNG state for rank {get_rank_safe()}: load it with "
                                   "load_rng=False (--no-load-rng)")
     except CheckpointError as exc:
         error = exc

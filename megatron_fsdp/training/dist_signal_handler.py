@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
+from ..utils import is_distributed
 
 
 class DistributedSignalHandler:
@@ -39,15 +40,9 @@ class DistributedSignalHandler:
 
     def signals_received(self) -> list[bool]:
         """Whether each rank has received the signal (one all-gather)."""
-        flag = torch.tensor([int(self._received)], dtype=torch.int32, device=_device())
-        if not (dist.is_available() and dist.is_initialized()):
+        flag = torch.tensor([int(self._received)], dtype=torch.int32, device=parallel_state.get_device_or_cpu())
+        if not is_distributed():
             return [bool(flag.item())]
         flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
         dist.all_gather(flags, flag)
         return [bool(f.item()) for f in flags]
-
-
-def _device() -> torch.device:
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_device()
-    return torch.device("cpu")

@@ -36,9 +36,9 @@ import traceback
 from datetime import timedelta
 from typing import Optional
 
-import torch.distributed as dist
 
 from .. import _torch_compat
+from ..utils import get_rank_safe, is_distributed
 
 TRACEBACKS_ENV = "MEGATRON_FSDP_TRACEBACKS"
 _PREFIX = "megatron_fsdp/error/"
@@ -61,15 +61,9 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 def _store():
     # Without the store each failing rank prints its own line.
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return None
     return _torch_compat.default_store()
 
@@ -134,7 +128,7 @@ def _write_error_file(summary: str, full_traceback: str, first: bool) -> None:
 def report(exc: BaseException, prog: Optional[str] = None) -> None:
     """Print `exc` as one line if this rank failed first, and write torchrun's error file."""
     prog = prog or os.path.basename(sys.argv[0]) or "megatron_fsdp"
-    rank = _rank()
+    rank = get_rank_safe()
     line = one_line(exc)
     election = _Election(rank, line)
     full = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -23,16 +23,14 @@ import torch.distributed as dist
 
 from .. import parallel_state
 from ..pipeline_parallel import get_forward_backward_func
+from ..utils import any_rank
 from .utils import print_rank_0, print_rank_last
 
 
 def _time_is_up(args, train_start: Optional[float]) -> bool:
     if not args.exit_duration_in_mins or train_start is None:
         return False
-    over = torch.tensor([int(time.time() - train_start > 60 * args.exit_duration_in_mins)],
-                        device=parallel_state.get_device())
-    dist.all_reduce(over, op=dist.ReduceOp.MAX)
-    return bool(over.item())
+    return any_rank(time.time() - train_start > 60 * args.exit_duration_in_mins, device=parallel_state.get_device())
 
 
 def evaluate(forward_step_func, data_iterator, model, config, args, eval_iters: Optional[int] = None,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .. import parallel_state, tensor_parallel
 from ..num_microbatches_calculator import destroy_num_microbatches_calculator, init_num_microbatches_calculator
+from ..utils import is_distributed
 from .global_vars import set_args
 
 DEFAULT_SHUTDOWN_TIMEOUT = timedelta(minutes=5)
@@ -49,7 +50,7 @@ def shutdown_distributed(*, failed: bool = False, timeout: timedelta = DEFAULT_S
     peer never finished: `ShutdownError` names the cause, and the process
     group is left alone for the same reason.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         parallel_state.destroy_model_parallel()
         return
     if failed:

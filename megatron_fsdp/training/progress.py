@@ -14,6 +14,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .. import _torch_compat
+from ..utils import is_distributed
 
 _PREFIX = "megatron_fsdp/progress/"
 
@@ -29,7 +30,7 @@ def _store():
 
 class ProgressBeacon:
     def __init__(self):
-        self._store = _store() if dist.is_available() and dist.is_initialized() else None
+        self._store = _store() if is_distributed() else None
         self.phase = "start-up"
 
     def mark(self, phase: str) -> None:

@@ -43,7 +43,7 @@ from ..optimizer import OptimizerConfig, get_megatron_optimizer
 from ..optimizer_param_scheduler import OptimizerParamScheduler
 from ..pipeline_parallel import get_forward_backward_func
 from ..tensor_parallel.utils import local_tensor
-from ..utils import get_model_config, reject_unsupported
+from ..utils import any_rank, get_model_config, reject_unsupported
 from .arguments import parse_args
 from .checkpointing import load_training_checkpoint, save_training_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators
@@ -342,10 +342,7 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration:
     if args.save_interval and iteration % args.save_interval == 0:
         save()
     if args.exit_duration_in_mins:
-        over = torch.tensor([int(time.time() - train_start > 60 * args.exit_duration_in_mins)],
-                            device=parallel_state.get_device())
-        torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
-        if over.item():
+        if any_rank(time.time() - train_start > 60 * args.exit_duration_in_mins, device=parallel_state.get_device()):
             save()
             return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
     if args.exit_interval and iteration % args.exit_interval == 0:

@@ -9,19 +9,16 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state
+from ..utils import is_distributed
 from ..utils import unwrap_model  # noqa: F401  (Megatron-LM keeps it in megatron.training.utils too)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def is_last_rank() -> bool:
-    return not _distributed() or dist.get_rank() == dist.get_world_size() - 1
+    return not is_distributed() or dist.get_rank() == dist.get_world_size() - 1
 
 
 def print_rank_0(message: str) -> None:
-    if not _distributed() or dist.get_rank() == 0:
+    if not is_distributed() or dist.get_rank() == 0:
         print(message, flush=True)
 
 
@@ -35,7 +32,7 @@ def memory_report(name: str) -> str:
     """Megatron's `report_memory` line: CUDA allocator figures on a GPU; on
     the CPU the process's peak resident set size."""
     mega = 1024.0 * 1024.0
-    rank = dist.get_rank() if _distributed() else 0
+    rank = dist.get_rank() if is_distributed() else 0
     if parallel_state.model_parallel_is_initialized() and parallel_state.get_device_type() == "cuda":
         return (f"[Rank {rank}] {name} memory (MB) | allocated: {torch.cuda.memory_allocated() / mega} | "
                 f"max allocated: {torch.cuda.max_memory_allocated() / mega} | "
@@ -58,7 +55,7 @@ def calc_params_l2_norm(model) -> float:
     counted once however the parameter is sharded or replicated across ranks."""
     from torch.distributed.tensor import DTensor
 
-    world = dist.get_world_size() if _distributed() else 1
+    world = dist.get_world_size() if is_distributed() else 1
     total = torch.zeros((), dtype=torch.float64,
                         device=parallel_state.get_device() if parallel_state.model_parallel_is_initialized() else None)
     for chunk in model if isinstance(model, list) else [model]:
@@ -73,6 +70,6 @@ def calc_params_l2_norm(model) -> float:
             else:
                 copies, local = world, p
             total += local.detach().double().square().sum().to(total.device) / copies
-    if _distributed():
+    if is_distributed():
         dist.all_reduce(total)
     return float(total.sqrt())

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..fp8.recipe import check_fp8_config
 from ..model_parallel_config import ModelParallelConfig
-from ..utils import reject_unsupported
+from ..utils import check_positive_int, reject_unsupported
 from .utils import init_method_normal, scaled_init_method_normal
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -131,9 +131,7 @@ class TransformerConfig(ModelParallelConfig):
     def __post_init__(self):
         super().__post_init__()
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_int(name, getattr(self, name))
         tp = self.tensor_model_parallel_size
         if self.num_attention_heads % tp != 0:
             raise ValueError(

@@ -14,6 +14,7 @@ from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from ...transformer.module import MegatronModule
 from ...transformer.transformer_block import TransformerBlock
 from ...transformer.utils import reject_unsupported_inputs
+from ...utils import check_positive_int
 from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding, shield_rotary_angles
 from .gpt_layer_specs import layer_class_from_spec
@@ -58,8 +59,7 @@ class GPTModel(MegatronModule):
     ):
         super().__init__(config)
         for name, value in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTModel: {name} must be a positive integer, got {value!r}")
+            check_positive_int(name, value, "GPTModel")
         if not (pre_process and post_process):
             raise NotImplementedError("pre_process/post_process=False (pipeline stages) is not supported")
         if mtp_block_spec is not None:

@@ -26,13 +26,13 @@ from typing import Mapping
 
 import torch
 
+from ...utils import check_positive_int
+
 _FC1_SUFFIXES = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 
 
 def _check(name: str, tensor: torch.Tensor, tensor_model_parallel_size: int) -> None:
-    tp = tensor_model_parallel_size
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_model_parallel_size must be a positive integer, got {tp!r}")
+    tp = check_positive_int("tensor_model_parallel_size", tensor_model_parallel_size)
     rows = tensor.size(0)
     if rows % (2 * tp) != 0:
         raise ValueError(f"{name}: {rows} rows are not 2 (gate, up) x {tp} (TP ranks) whole blocks")
