@@ -16,12 +16,12 @@ from helpers import full_tensor, make_config, setup_parallel
 from megatron_fsdp import _torch_compat, parallel_state, tensor_parallel
 from megatron_fsdp.fp8 import (
     Fp8GatheredWeight,
-    Fp8LinearState,
     Fp8Recipe,
     check_fp8_param_gather,
     convert_to_fp8_weights,
     is_fp8_training_weight,
     refresh_fp8_scales,
+    to_fp8_linear,
 )
 from megatron_fsdp.initialization import initialize_parameters
 from megatron_fsdp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -55,10 +55,10 @@ class _Net(nn.Module):
         self.row = RowParallelLinear(col_out, row_out, config=cfg, init_method=init, bias=bias,
                                      input_is_parallel=True, skip_bias_add=False)
         if fp8:
-            # Set directly: odd sizes (uneven shards) are outside the GEMM shape rule that
-            # enable_fp8 enforces for CUDA; CPU GEMMs and the all-gather take any shape.
+            # Odd sizes (uneven shards) are outside the GEMM shape rule that the converter
+            # enforces for CUDA; CPU GEMMs and the all-gather take any shape.
             for layer in (self.col, self.row):
-                layer.fp8_state = Fp8LinearState(Fp8Recipe(format="hybrid", recipe="tensorwise"))
+                to_fp8_linear(layer, Fp8Recipe(format="hybrid", recipe="tensorwise"), check_shape=False)
 
     def forward(self, x):
         return self.row(self.col(x)[0])[0]

@@ -11,6 +11,7 @@ from megatron_fsdp import _torch_compat, parallel_state, tensor_parallel
 from megatron_fsdp.dist_checkpointing import torch_dcp
 from megatron_fsdp.fp8 import (
     Fp8GatheredWeight,
+    convert_to_fp8,
     convert_to_fp8_weights,
     refresh_fp8_scales,
 )
@@ -31,6 +32,7 @@ def _model(fp8, seed):
                       fp8_amax_compute_algo="max")
     model = GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=SEQ)
     if fp8:
+        assert convert_to_fp8(model) == 2 * len(FP8_WEIGHTS)
         assert convert_to_fp8_weights(model) == 2 * len(FP8_WEIGHTS)
     mesh = parallel_state.get_data_parallel_mesh()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import full_grads, make_config, setup_parallel
-from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear, refresh_fp8_scales
+from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, convert_to_fp8, fp8_linear, refresh_fp8_scales
 from megatron_fsdp.fp8.scaling import cast_to_fp8, scale_from_amax
 from megatron_fsdp.models.gpt import GPTModel
 
@@ -159,6 +159,7 @@ def _case_gpt_step(tp, sp, fp8, recipe="tensorwise"):
     setup_parallel(tp)
     cfg = _gpt_config(tp, fp8, sp, fp8_recipe=recipe)
     model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    assert convert_to_fp8(model) == (8 if fp8 else 0)
     calls = []
     original = torch._scaled_mm
 
@@ -207,6 +208,7 @@ def _case_first_last_layers_bf16():
     cfg = _gpt_config(1, "e4m3", num_layers=4, first_last_layers_bf16=True, num_layers_at_start_in_bf16=1,
                       num_layers_at_end_in_bf16=2)
     model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    convert_to_fp8(model)
     return {i: [n for n, m in layer.named_modules() if getattr(m, "fp8_state", None) is not None]
             for i, layer in enumerate(model.decoder.layers)}
 
@@ -220,7 +222,7 @@ def test_first_last_layers_stay_in_high_precision(pools):
 
 def _case_fp8_shape_rule():
     setup_parallel(2)
-    GPTModel(_gpt_config(2, "hybrid", ffn_hidden_size=80), vocab_size=64, max_sequence_length=16)
+    convert_to_fp8(GPTModel(_gpt_config(2, "hybrid", ffn_hidden_size=80), vocab_size=64, max_sequence_length=16))
 
 
 def test_fp8_layers_need_gemm_dimensions_in_multiples_of_16(pools):
@@ -229,3 +231,30 @@ def test_fp8_layers_need_gemm_dimensions_in_multiples_of_16(pools):
         assert e.type_name == "ValueError"
         assert "ColumnParallelLinear: an fp8 linear needs both dimensions of its local weight to be multiples " \
                "of 16" in e.message and "[out, in] = [40, 64]" in e.message, e.message
+
+
+def _case_converter_in_place():
+    from megatron_fsdp.fp8 import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+    from megatron_fsdp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    setup_parallel(1)
+    model = GPTModel(_gpt_config(1, "hybrid"), vocab_size=64, max_sequence_length=16)
+    ids = torch.randint(0, 64, (2, 16), generator=_gen(7))
+    # config.fp8 without the converter is refused, never run in high precision silently.
+    with pytest.raises(RuntimeError, match="not converted to fp8.*convert_to_fp8"):
+        model(ids, torch.arange(16).expand(2, 16), None, labels=ids)
+    params = dict(model.named_parameters())
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    assert convert_to_fp8(model) == 8 and convert_to_fp8(model) == 8  # the second call changes nothing
+    # The same module objects and parameters, with an fp8 class; the output layer stays as it was.
+    assert model.decoder.layers[0].self_attention.linear_qkv is qkv and type(qkv) is Fp8ColumnParallelLinear
+    assert type(model.decoder.layers[0].mlp.linear_fc2) is Fp8RowParallelLinear
+    assert type(model.output_layer) is ColumnParallelLinear and isinstance(qkv, ColumnParallelLinear)
+    assert not isinstance(model.output_layer, RowParallelLinear)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert "fp8=hybrid" in repr(qkv)
+    model(ids, torch.arange(16).expand(2, 16), None, labels=ids).sum().backward()
+
+
+def test_the_converter_is_where_fp8_enters(pools):
+    pools(2).run(_case_converter_in_place)

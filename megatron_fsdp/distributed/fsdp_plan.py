@@ -4,7 +4,8 @@
                                                        # nothing changes, nothing communicates
     apply_fsdp_plan(module, plan):
         cast_master_weights_to_fp32   mixed precision keeps fp32 shards, gathers bf16/fp16
-        convert_fp8_weights           fp8_param_gather: linear weights gather as fp8
+        convert_fp8                   config.fp8: the fp8 converter (fp8/convert.py); with
+                                      fp8_param_gather the linear weights gather as fp8
         shard_units                   fully_shard each unit bottom-up, then the root
         materialize_meta_parameters   a meta-device model gets its shards and initial values
         compute_fp8_scales            the fp8 weights' first scales (collective)
@@ -31,7 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from .. import parallel_state
 from .._process_groups import backend_device_type
-from ..fp8 import check_fp8_param_gather, convert_to_fp8_weights, refresh_fp8_scales
+from ..fp8 import (check_fp8_param_gather, convert_to_fp8, convert_to_fp8_weights, linears_to_convert,
+                   refresh_fp8_scales)
 from ..initialization import initialize_parameters
 from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
 from .distributed_data_parallel_config import DistributedDataParallelConfig
@@ -47,6 +49,7 @@ class FSDPPlan:
     reshard_after_forward: bool | int
     wrap_classes: frozenset  # sub_modules_to_wrap plus every `_fsdp_modules` entry
     units: tuple  # the unit modules in forward order; the root is the last unit, not listed
+    fp8_config: Optional[object]  # the config whose fp8 settings the converter applies (None: no fp8)
     fp8_param_gather: bool
     force_sum_reduction: bool  # gloo: reduce with SUM, then divide
     explicit_backward_prefetch: bool  # activation recomputation confuses the implicit order
@@ -67,6 +70,7 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
     mesh = _data_parallel_mesh(ddp_config, module, process_group)
     _check_reshard_size(module, mesh, reshard_after_forward)
     check_fp8_param_gather(config, ddp_config, reshard_after_forward)
+    linears_to_convert(module, config)  # fp8's GEMM shape rule, before anything changes
     units = () if disable_bucketing else _units(module, wrap_classes)
     if process_group is None:
         process_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -78,6 +82,7 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         reshard_after_forward=reshard_after_forward,
         wrap_classes=wrap_classes,
         units=tuple(units),
+        fp8_config=config if getattr(config, "fp8", None) is not None else None,
         fp8_param_gather=ddp_config.fp8_param_gather,
         force_sum_reduction=dist.get_backend(process_group) == "gloo",
         explicit_backward_prefetch=getattr(config, "recompute_granularity", None) is not None,
@@ -90,7 +95,7 @@ def apply_fsdp_plan(module: nn.Module, plan: FSDPPlan) -> None:
     """The changes, in order; `module` ends up an FSDPModule."""
     tp_attributes = snapshot_tp_attributes(module)
     cast_master_weights_to_fp32(module, plan)
-    convert_fp8_weights(module, plan)
+    convert_fp8(module, plan)
     shard_units(module, plan)
     materialize_meta_parameters(module, plan)
     compute_fp8_scales(module, plan)
@@ -120,9 +125,11 @@ def cast_master_weights_to_fp32(module: nn.Module, plan: FSDPPlan) -> None:
         module.float()
 
 
-def convert_fp8_weights(module: nn.Module, plan: FSDPPlan) -> None:
-    """Before fully_shard, so that FSDP2 shards the fp8 weight subclass and
-    calls its all-gather hooks."""
+def convert_fp8(module: nn.Module, plan: FSDPPlan) -> None:
+    """Before fully_shard: the fp8 converter, then (fp8_param_gather) the fp8
+    weight subclass, so that FSDP2 shards it and calls its all-gather hooks."""
+    if plan.fp8_config is not None:
+        convert_to_fp8(module, plan.fp8_config)
     if plan.fp8_param_gather:
         convert_to_fp8_weights(module)
 

@@ -8,7 +8,8 @@ What runs in fp8 (TransformerConfig, Megatron-Core's fields):
   under `first_last_layers_bf16`. Norms, embeddings, the output layer,
   softmax and the loss stay in high precision. `fp8_recipe`, `fp8_margin`,
   `fp8_amax_history_len`, `fp8_amax_compute_algo`: see recipe.py.
-  TransformerLayer applies this with `configure_fp8_layer`.
+  `convert_to_fp8(model)` applies this, the one place fp8 enters a model
+  (convert.py): the FSDP plan calls it; without the wrapper, call it yourself.
 
 fp8 weight all-gather (`DistributedDataParallelConfig(fp8_param_gather=True)`),
 the interface the FSDP wrapper uses, in order:
@@ -33,21 +34,32 @@ back with `load_fp8_state_dict(model, state_or_None)`, which every rank calls
 after loading weights: it also recomputes the weight scales (collective).
 """
 
-from .convert import check_fp8_param_gather, configure_fp8_layer, convert_to_fp8_weights
+from .convert import (
+    Fp8ColumnParallelLinear,
+    Fp8Linear,
+    Fp8RowParallelLinear,
+    check_fp8_param_gather,
+    convert_to_fp8,
+    convert_to_fp8_weights,
+    linears_to_convert,
+    to_fp8_linear,
+)
 from .linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
-from .recipe import Fp8Recipe, check_fp8_config, is_first_last_bf16_layer, layer_runs_fp8
+from .recipe import Fp8Recipe, is_first_last_bf16_layer, layer_runs_fp8
 from .refresh import fp8_state_dict, has_fp8_linears, load_fp8_state_dict, refresh_fp8_scales
 from .weight import Fp8GatheredWeight, Fp8TrainingWeight, is_fp8_training_weight
 
 __all__ = [
+    "Fp8ColumnParallelLinear",
     "Fp8GatheredWeight",
+    "Fp8Linear",
+    "Fp8RowParallelLinear",
     "Fp8LinearState",
     "Fp8Recipe",
     "Fp8TrainingWeight",
-    "check_fp8_config",
     "check_fp8_param_gather",
     "check_fp8_weight_shape",
-    "configure_fp8_layer",
+    "convert_to_fp8",
     "convert_to_fp8_weights",
     "fp8_linear",
     "fp8_state_dict",
@@ -55,6 +67,8 @@ __all__ = [
     "is_first_last_bf16_layer",
     "is_fp8_training_weight",
     "layer_runs_fp8",
+    "linears_to_convert",
     "load_fp8_state_dict",
     "refresh_fp8_scales",
+    "to_fp8_linear",
 ]

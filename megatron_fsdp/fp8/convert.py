@@ -1,34 +1,114 @@
-"""Applying fp8 to a model: which linears run fp8, fp8 training weights, and
-the checks that go with fp8 weight all-gather."""
+"""The one place fp8 enters a model: the converter.
+
+`convert_to_fp8(model, config)` turns every column- and row-parallel linear
+of every TransformerLayer that the config runs in fp8 (all of them, less the
+first/last layers under `first_last_layers_bf16`) into its fp8 subclass,
+in place: the same module object, parameters and hooks, with a class whose
+`_matmul` runs `fp8_linear` and which holds the layer's `fp8_state`. Nothing
+else in the model knows fp8. The FSDP plan applies the converter (with
+`convert_to_fp8_weights` for fp8 weight all-gather); a model run without the
+wrapper is converted by its owner (pretrain() does it), and GPTModel refuses
+to run with `config.fp8` set and no conversion.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..transformer.transformer_layer import TransformerLayer
+from .linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
 from .recipe import Fp8Recipe, layer_runs_fp8
 from .weight import Fp8TrainingWeight, Fp8WeightMeta, is_fp8_training_weight
 
 
-def _fp8_linears(module: nn.Module):
-    """(name, module) of every parallel linear that runs fp8 GEMMs."""
-    return [(name, m) for name, m in module.named_modules() if getattr(m, "fp8_state", None) is not None]
+class Fp8Linear:
+    """Mixed in ahead of a parallel linear's class by the converter: its local
+    GEMMs run in fp8 (`fp8_linear`; the bias is added in high precision)."""
+
+    fp8_state: Fp8LinearState
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        out = fp8_linear(x, weight, self.fp8_state)
+        return out if bias is None else out + bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fp8={self.fp8_state.recipe.format}"
 
 
-def configure_fp8_layer(layer: nn.Module, config, layer_no: int) -> int:
-    """Turn on fp8 GEMMs in every parallel linear of transformer layer
-    `layer_no` (0-based) when the config says that layer runs fp8; returns how many."""
-    if not layer_runs_fp8(config, layer_no):
-        return 0
-    recipe = Fp8Recipe.from_config(config)
-    linears = [m for m in layer.modules() if callable(getattr(m, "enable_fp8", None))]
-    for m in linears:
-        m.enable_fp8(recipe)
+_FP8_CLASSES: dict[type, type] = {}
+
+
+def fp8_class(cls: type) -> type:
+    """The fp8 subclass of a parallel linear class (made once per class)."""
+    if issubclass(cls, Fp8Linear):
+        return cls
+    if cls not in _FP8_CLASSES:
+        _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (Fp8Linear, cls), {"__module__": __name__})
+    return _FP8_CLASSES[cls]
+
+
+Fp8ColumnParallelLinear = fp8_class(ColumnParallelLinear)
+Fp8RowParallelLinear = fp8_class(RowParallelLinear)
+
+
+def to_fp8_linear(linear: nn.Module, recipe: Fp8Recipe, *, check_shape: bool = True) -> nn.Module:
+    """Make one column- or row-parallel linear run fp8 GEMMs, in place (returns it).
+    `check_shape=False` skips the CUDA GEMM shape rule (odd test shapes on the CPU)."""
+    if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+        raise TypeError(f"to_fp8_linear: {type(linear).__name__} is not a column- or row-parallel linear")
+    if isinstance(linear, Fp8Linear):
+        return linear
+    if check_shape:
+        check_fp8_weight_shape(type(linear).__name__, *linear.local_weight_shape())
+    linear.__class__ = fp8_class(type(linear))
+    linear.fp8_state = Fp8LinearState(recipe)
+    return linear
+
+
+def linears_to_convert(model: nn.Module, config) -> list[tuple[str, nn.Module]]:
+    """(name, linear) of every parallel linear `config` runs in fp8, each
+    checked against the GEMM shape rule: raises before anything changes."""
+    if getattr(config, "fp8", None) is None:
+        return []
+    found = []
+    for layer_name, layer in model.named_modules():
+        # Megatron numbers layers from 1; the first/last-layer rule counts from 0.
+        if isinstance(layer, TransformerLayer) and layer_runs_fp8(config, layer.layer_number - 1):
+            for name, m in layer.named_modules(prefix=layer_name):
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                    if not isinstance(m, Fp8Linear):
+                        check_fp8_weight_shape(type(m).__name__, *m.local_weight_shape())
+                    found.append((name, m))
+    return found
+
+
+def convert_to_fp8(model: nn.Module, config=None) -> int:
+    """The converter (see the module's docstring): `config` defaults to the
+    model's own (`model.config`). Returns how many linears run fp8 now;
+    converting twice changes nothing. Works on the meta device."""
+    config = model.config if config is None else config
+    linears = linears_to_convert(model, config)
+    if linears:
+        recipe = Fp8Recipe.from_config(config)
+        for _, linear in linears:
+            to_fp8_linear(linear, recipe, check_shape=False)  # checked above
+    if getattr(config, "fp8", None) is not None:
+        for m in model.modules():
+            if hasattr(m, "fp8_converted"):
+                m.fp8_converted = True  # a model that refuses to run unconverted (GPTModel)
     return len(linears)
+
+
+def _fp8_linears(module: nn.Module):
+    """(name, module) of every module with fp8 state (the converted linears)."""
+    return [(name, m) for name, m in module.named_modules() if getattr(m, "fp8_state", None) is not None]
 
 
 def check_fp8_param_gather(config, ddp_config, reshard_after_forward) -> None:

@@ -4,9 +4,9 @@ Weights are DTensors on the tensor-parallel mesh (column: Shard(0), row:
 Shard(1), vocab: Shard(0)), so FSDP2 composes them into 2D (DP, TP)
 parameters and distributed checkpoints reshard across TP sizes. The forward
 pass is Megatron's: explicit communication (mappings.py) around local matmuls
-on the shards. A layer whose GEMMs run in fp8 (`enable_fp8`, which
-TransformerLayer calls as the config's fp8 settings say) does that matmul
-with `megatron_fsdp.fp8.fp8_linear`; the bias is added in high precision.
+on the shards. The local matmul is one method, `_matmul(x, weight, bias)`:
+megatron_fsdp.fp8's converter turns a linear into its fp8 subclass, which
+overrides only that (these layers know nothing of fp8).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import parallel_state
-from ..fp8.linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
 from ..utils import reject_unsupported
 from .mappings import (
     copy_to_tensor_model_parallel_region,
@@ -47,9 +46,15 @@ def _check_input(layer: str, x: torch.Tensor, expected: int, what: str) -> None:
         )
 
 
-def _enable_fp8(layer: nn.Module, recipe, out_features: int, in_features: int) -> None:
-    check_fp8_weight_shape(type(layer).__name__, out_features, in_features)
-    layer.fp8_state = Fp8LinearState(recipe)
+class _LocalMatmul:
+    """The one local GEMM of a parallel linear: y = x W^T (+ b), on this rank's shards."""
+
+    def _matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def local_weight_shape(self) -> tuple[int, int]:
+        """[out, in] of this rank's weight shard."""
+        raise NotImplementedError
 
 
 def _sp_shared(param: Optional[torch.Tensor], sequence_parallel: bool) -> Optional[torch.Tensor]:
@@ -61,7 +66,7 @@ def _sp_shared(param: Optional[torch.Tensor], sequence_parallel: bool) -> Option
     return copy_to_tensor_model_parallel_region(local) if sequence_parallel else local
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_LocalMatmul, nn.Module):
     """Y = XA + b with A split along its output dimension (Shard(0) of the [out, in] weight)."""
 
     def __init__(
@@ -101,7 +106,6 @@ class ColumnParallelLinear(nn.Module):
         self.tp_comm_buffer_name = tp_comm_buffer_name  # names a TE comm buffer; no buffer here
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.output_size_per_partition = divide(output_size, tp_size)
-        self.fp8_state: Optional[Fp8LinearState] = None  # set by enable_fp8
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
@@ -140,28 +144,21 @@ class ColumnParallelLinear(nn.Module):
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_)
         bias = local_tensor(self.bias) if self.bias is not None else None
-        if self.fp8_state is not None:
-            output = fp8_linear(input_parallel, weight, self.fp8_state)
-            if bias is not None and not self.skip_bias_add:
-                output = output + bias
-        else:
-            output = F.linear(input_parallel, weight, None if self.skip_bias_add else bias)
+        output = self._matmul(input_parallel, weight, None if self.skip_bias_add else bias)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (bias if self.skip_bias_add else None)
 
-    def enable_fp8(self, recipe) -> None:
-        """Run the GEMMs of this layer in fp8 (megatron_fsdp.fp8; an fp8.Fp8Recipe)."""
-        _enable_fp8(self, recipe, self.output_size_per_partition, self.input_size)
+    def local_weight_shape(self) -> tuple[int, int]:
+        return self.output_size_per_partition, self.input_size
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, gather_output={self.gather_output}"
-                + (f", fp8={self.fp8_state.recipe.format}" if self.fp8_state is not None else ""))
+                f"bias={self.bias is not None}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_LocalMatmul, nn.Module):
     """Y = XA + b with A split along its input dimension (Shard(1) of the [out, in] weight)."""
 
     def __init__(
@@ -197,7 +194,6 @@ class RowParallelLinear(nn.Module):
         self.tp_comm_buffer_name = tp_comm_buffer_name
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size_per_partition = divide(input_size, tp_size)
-        self.fp8_state: Optional[Fp8LinearState] = None  # set by enable_fp8
         self.weight = make_tp_parameter(
             init_full_tensor((output_size, input_size), init_method, config), 1, config)
         record_init(self, "weight", init_method, config)
@@ -217,10 +213,7 @@ class RowParallelLinear(nn.Module):
         else:
             _check_input("RowParallelLinear", input_, self.input_size, "input_size")
             input_parallel = scatter_to_tensor_model_parallel_region(input_)
-        if self.fp8_state is not None:
-            output_parallel = fp8_linear(input_parallel, local_tensor(self.weight), self.fp8_state)
-        else:
-            output_parallel = F.linear(input_parallel, local_tensor(self.weight))
+        output_parallel = self._matmul(input_parallel, local_tensor(self.weight), None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)
         else:
@@ -232,14 +225,12 @@ class RowParallelLinear(nn.Module):
             output = output + bias
         return output, None
 
-    def enable_fp8(self, recipe) -> None:
-        """Run the GEMMs of this layer in fp8 (megatron_fsdp.fp8; an fp8.Fp8Recipe)."""
-        _enable_fp8(self, recipe, self.output_size, self.input_size_per_partition)
+    def local_weight_shape(self) -> tuple[int, int]:
+        return self.output_size, self.input_size_per_partition
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
-                + (f", fp8={self.fp8_state.recipe.format}" if self.fp8_state is not None else ""))
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):

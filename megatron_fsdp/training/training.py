@@ -36,6 +36,7 @@ import torch
 
 from .. import parallel_state
 from ..distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+from ..fp8 import convert_to_fp8
 from ..distributed.finalize_model_grads import finalize_model_grads
 from ..enums import ModelType
 from ..num_microbatches_calculator import get_num_microbatches, update_num_microbatches
@@ -188,6 +189,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         print_rank_0("> FSDP2 copy ops: " + ("megatron_fsdp's kernels" if model.fsdp_copy_kernels_active else
                                             "torch's" + (" (megatron_fsdp's kernels unavailable: warned above)"
                                                          if fields["fsdp_copy_kernels"] else "")))
+    elif getattr(get_model_config(model), "fp8", None) is not None:
+        convert_to_fp8(model)  # replicated: the wrapper's plan does this under --use-torch-fsdp2
     return [model]
 
 

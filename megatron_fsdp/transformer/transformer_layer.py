@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fp8 import configure_fp8_layer
 from .attention import SelfAttention
 from .enums import AttnMaskType
 from .mlp import MLP
@@ -54,8 +53,6 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, layer_number, AttnMaskType.causal)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, partial_grads=config.sequence_parallel)
         self.mlp = MLP(config)
-        # Megatron numbers layers from 1; the fp8 first/last-layer rule counts from 0.
-        configure_fp8_layer(self, config, layer_number - 1)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context=None, context_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,

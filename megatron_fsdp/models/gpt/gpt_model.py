@@ -68,6 +68,9 @@ class GPTModel(MegatronModule):
             raise NotImplementedError(f"vp_stage={vp_stage!r}: virtual pipelining is not supported")
         _check_parallel_layout(config)
         layer_class_from_spec(transformer_layer_spec)  # a bad spec fails before anything is built
+        # config.fp8 takes effect through megatron_fsdp.fp8.convert_to_fp8 (the FSDP plan applies it),
+        # which sets this; forward refuses to run fp8 layers in high precision silently.
+        self.fp8_converted = False
 
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -131,6 +134,10 @@ class GPTModel(MegatronModule):
         True = padding) reaches the layers as in Megatron, where only
         mixture-of-experts routing reads it (see MLP.forward).
         """
+        if getattr(self.config, "fp8", None) is not None and not self.fp8_converted:
+            raise RuntimeError(
+                f"GPTModel: config.fp8={self.config.fp8!r} but its linears were not converted to fp8: wrap the "
+                "model with TorchFullyShardedDataParallel, or call megatron_fsdp.fp8.convert_to_fp8(model)")
         reject_unsupported_inputs(
             "GPTModel.forward", inference_context=inference_context, inference_params=inference_params,
             packed_seq_params=packed_seq_params, output_processor=output_processor,
