@@ -97,6 +97,28 @@ def non_finite_ranks(loss: Optional[torch.Tensor] = None, grads=None, *, device:
     return [to_global(r) for r in bad_loss], [to_global(r) for r in bad_grad]
 
 
+# ---------------------------------------------------------------- model hooks
+
+_POST_STEP_HOOKS = "post_optimizer_step_hooks"
+
+
+def register_post_step_hook(model: torch.nn.Module, name: str, hook) -> None:
+    """`hook()` runs after every step of the optimizer that get_megatron_optimizer
+    builds for a model holding `model` (state derived from the weights: the
+    fp8 converter keeps its scales current this way). One hook per `name` and
+    module: registering a name again replaces it."""
+    model.__dict__.setdefault(_POST_STEP_HOOKS, {})[name] = hook
+
+
+def post_step_hooks(models) -> list:
+    """The hooks registered on any module of `models` (a module or a list), in module order."""
+    found = []
+    for model in ([models] if isinstance(models, torch.nn.Module) else models):
+        for module in model.modules():
+            found.extend(module.__dict__.get(_POST_STEP_HOOKS, {}).values())
+    return found
+
+
 # ---------------------------------------------------------------- checks
 
 def check_positive_int(name: str, value, where: str = "") -> int:

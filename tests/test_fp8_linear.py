@@ -246,6 +246,10 @@ def _case_converter_in_place():
     params = dict(model.named_parameters())
     qkv = model.decoder.layers[0].self_attention.linear_qkv
     assert convert_to_fp8(model) == 8 and convert_to_fp8(model) == 8  # the second call changes nothing
+    # One post-step hook (the scale refresh), which get_megatron_optimizer's step() will run.
+    from megatron_fsdp.utils import post_step_hooks
+
+    assert len(post_step_hooks([model])) == 1
     # The same module objects and parameters, with an fp8 class; the output layer stays as it was.
     assert model.decoder.layers[0].self_attention.linear_qkv is qkv and type(qkv) is Fp8ColumnParallelLinear
     assert type(model.decoder.layers[0].mlp.linear_fc2) is Fp8RowParallelLinear

@@ -32,6 +32,27 @@ def test_optimizer_groups_step_protocol_and_clipping():
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+def test_post_step_hooks_the_model_carries_run_after_every_step_taken_or_skipped():
+    from megatron_fsdp.utils import register_post_step_hook
+
+    model = _model()
+    ran = []
+    register_post_step_hook(model[0], "first", lambda: ran.append("first"))
+    register_post_step_hook(model[2], "last", lambda: ran.append("stale"))
+    register_post_step_hook(model[2], "last", lambda: ran.append("last"))  # the same name replaces it
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.1, fp16=True, initial_loss_scale=2.0 ** 8,
+                                                 params_dtype=torch.float16), model.half())
+    opt.register_step_post_hook(lambda: ran.append("extra"))
+    opt.scale_loss(model(torch.randn(3, 4).half()).float().square().sum()).backward()
+    assert opt.step()[0] and ran == ["first", "last", "extra"]
+    opt.zero_grad()
+    opt.scale_loss(model(torch.randn(3, 4).half()).float().square().sum()).backward()
+    for p in model.parameters():
+        p.grad.fill_(float("inf"))  # an overflow: the step is skipped, the hooks still run
+    ran.clear()
+    assert opt.step() == (False, None, None) and ran == ["first", "last", "extra"]
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(lr=None), ValueError, "lr must be a positive number"),
     (dict(lr=1.0, optimizer="lamb"), ValueError, "got 'lamb'"),

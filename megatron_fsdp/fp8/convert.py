@@ -13,6 +13,7 @@ to run with `config.fp8` set and no conversion.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Optional
 
@@ -23,8 +24,10 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_compat
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformer.transformer_layer import TransformerLayer
-from .linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
+from ..utils import register_post_step_hook
+from .linear import Fp8LinearState, _fp8_linears, check_fp8_weight_shape, fp8_linear
 from .recipe import Fp8Recipe, layer_runs_fp8
+from .refresh import refresh_fp8_scales
 from .weight import Fp8TrainingWeight, Fp8WeightMeta, is_fp8_training_weight
 
 
@@ -60,7 +63,9 @@ Fp8RowParallelLinear = fp8_class(RowParallelLinear)
 
 def to_fp8_linear(linear: nn.Module, recipe: Fp8Recipe, *, check_shape: bool = True) -> nn.Module:
     """Make one column- or row-parallel linear run fp8 GEMMs, in place (returns it).
-    `check_shape=False` skips the CUDA GEMM shape rule (odd test shapes on the CPU)."""
+    `check_shape=False` skips the CUDA GEMM shape rule (odd test shapes on the CPU).
+    Unlike convert_to_fp8 it registers no post-step hook: the caller refreshes
+    the scales after each optimizer step (`refresh_fp8_scales`)."""
     if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
         raise TypeError(f"to_fp8_linear: {type(linear).__name__} is not a column- or row-parallel linear")
     if isinstance(linear, Fp8Linear):
@@ -99,16 +104,13 @@ def convert_to_fp8(model: nn.Module, config=None) -> int:
         recipe = Fp8Recipe.from_config(config)
         for _, linear in linears:
             to_fp8_linear(linear, recipe, check_shape=False)  # checked above
+        # The one post-step hook: the optimizer's step changes the weights, so their scales follow.
+        register_post_step_hook(model, "fp8", functools.partial(refresh_fp8_scales, model))
     if getattr(config, "fp8", None) is not None:
         for m in model.modules():
             if hasattr(m, "fp8_converted"):
                 m.fp8_converted = True  # a model that refuses to run unconverted (GPTModel)
     return len(linears)
-
-
-def _fp8_linears(module: nn.Module):
-    """(name, module) of every module with fp8 state (the converted linears)."""
-    return [(name, m) for name, m in module.named_modules() if getattr(m, "fp8_state", None) is not None]
 
 
 def check_fp8_param_gather(config, ddp_config, reshard_after_forward) -> None:

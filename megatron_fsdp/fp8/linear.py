@@ -53,6 +53,11 @@ class Fp8LinearState:
         return [(name, h) for name, h in (("input", self.input), ("grad_output", self.grad_output)) if h is not None]
 
 
+def _fp8_linears(module):
+    """(name, module) of every module with fp8 state (the converted linears)."""
+    return [(name, m) for name, m in module.named_modules() if getattr(m, "fp8_state", None) is not None]
+
+
 def check_fp8_weight_shape(where: str, out_features: int, in_features: int) -> None:
     bad = [n for n in (out_features, in_features) if n % GEMM_ALIGNMENT]
     if bad:

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _torch_compat, parallel_state
-from ..utils import is_distributed, unwrap_model
 from ..kernels.amax import multi_tensor_amax
-from .convert import _fp8_linears
+from ..utils import is_distributed, unwrap_model
+from .linear import _fp8_linears
 from .scaling import scale_from_amax
 from .weight import Fp8TrainingWeight
 

@@ -20,17 +20,17 @@ any of them overflowed, and on overflow skips the update and returns
 `(False, None, None)`, as Megatron does. The scaler's state is part of
 `state_dict()`.
 
-fp8: when the model chunks hold fp8 linears (megatron_fsdp.fp8), `step()`
-ends with `fp8.refresh_fp8_scales(chunks)` (a collective: new weight scales
-for the fp8 all-gather, delayed-scaling histories advanced), so a
-Megatron-style loop needs no change.
+Post-step hooks: `step()` ends with every hook registered on it
+(`register_step_post_hook`); get_megatron_optimizer registers those the
+model chunks carry (`megatron_fsdp.utils.register_post_step_hook`: the fp8
+converter's scale refresh, say), so a Megatron-style loop needs no change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat
-from ..fp8.refresh import has_fp8_linears, refresh_fp8_scales
 from ..model_parallel_config import reject_unsupported_fields
-from ..utils import is_distributed
+from ..utils import is_distributed, post_step_hooks
 from .clip_grads import clip_grad_norm_, count_zeros_fp32, get_grad_norm_fp32
 from .grad_scaler import MegatronGradScaler, build_grad_scaler
 
@@ -116,14 +115,14 @@ class MegatronOptimizer:
     `params` are the model's trainable parameters; `main_params` (same order)
     are what the torch optimizer steps: the parameter itself, or its fp32
     main copy. `grad_scaler` (Megatron's attribute) scales the loss for fp16,
-    or None. `fp8_model_chunks`: the model chunks whose fp8 scales step()
-    refreshes (get_megatron_optimizer passes those with fp8 linears).
+    or None. `post_step_hooks`: callables step() runs at its end, taken or
+    skipped (every rank takes the same branch); more with register_step_post_hook.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, params: list[nn.Parameter],
                  main_params: Optional[list[nn.Parameter]] = None,
                  grad_scaler: Optional[MegatronGradScaler] = None,
-                 fp8_model_chunks: Optional[list[nn.Module]] = None):
+                 post_step_hooks: Optional[list[Callable[[], None]]] = None):
         main_params = list(params) if main_params is None else list(main_params)
         if len(main_params) != len(params):
             raise ValueError(f"main_params has {len(main_params)} entries for {len(params)} params")
@@ -138,7 +137,7 @@ class MegatronOptimizer:
         self._float16_pairs = [(p, m) for p, m in zip(params, main_params) if m is not p]
         self._main_of = {id(p): m for p, m in self._float16_pairs}
         self._scale_one = None
-        self._fp8_model_chunks = list(fp8_model_chunks or [])
+        self._post_step_hooks = list(post_step_hooks or [])
 
     @property
     def param_groups(self):
@@ -216,10 +215,10 @@ class MegatronOptimizer:
     @torch.no_grad()
     def step(self) -> tuple[bool, Optional[float], Optional[int]]:
         """Returns (update_successful, grad_norm, num_zeros_in_grad);
-        (False, None, None) when the step was skipped for an overflow. fp8
-        scales are refreshed either way (every rank takes the same branch)."""
+        (False, None, None) when the step was skipped for an overflow. The
+        post-step hooks run either way (every rank takes the same branch)."""
         if self.prepare_grads():
-            self._refresh_fp8()
+            self._run_post_step_hooks()
             return False, None, None
         if self.config.clip_grad > 0:
             grad_norm = clip_grad_norm_(self._main_params, self.config.clip_grad)
@@ -229,12 +228,16 @@ class MegatronOptimizer:
         self.optimizer.step()
         for model_param, main_param in self._float16_pairs:
             model_param.copy_(main_param)
-        self._refresh_fp8()
+        self._run_post_step_hooks()
         return True, grad_norm, num_zeros
 
-    def _refresh_fp8(self) -> None:
-        if self._fp8_model_chunks:
-            refresh_fp8_scales(self._fp8_model_chunks)
+    def register_step_post_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook()` at the end of every step()."""
+        self._post_step_hooks.append(hook)
+
+    def _run_post_step_hooks(self) -> None:
+        for hook in self._post_step_hooks:
+            hook()
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -402,4 +405,4 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
                                     config.min_loss_scale, config.loss_scale_window, config.hysteresis,
                                     device=mains[0].device)
     return MegatronOptimizer(optimizer, config, params, mains, grad_scaler=grad_scaler,
-                             fp8_model_chunks=[c for c in chunks if has_fp8_linears(c)])
+                             post_step_hooks=post_step_hooks(chunks))
