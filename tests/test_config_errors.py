@@ -29,7 +29,7 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
     (dict(recompute_granularity="partial"), ValueError, r"recompute_granularity must be one of"),
     (dict(recompute_method="block"), ValueError, r"recompute_granularity is None"),
     (dict(recompute_granularity="selective", recompute_modules=["mlp"]), ValueError, r"\['mlp'\]"),
-    (dict(fp8="e5m2"), ValueError, r"fp8 \(--fp8-format\) must be one of \('e4m3', 'hybrid'\) or None, got 'e5m2'"),
+    (dict(fp8="e5m2"), ValueError, r"fp8 must be one of \('e4m3', 'hybrid'\) or None, got 'e5m2'"),
     (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError,
      r"fp8_recipe='mxfp8' is not supported by megatron_fsdp \(supported: \('tensorwise', 'delayed'\)\)"),
     (dict(fp8="e4m3", fp8_recipe="blockwise"), NotImplementedError, r"fp8_recipe='blockwise' is not supported"),

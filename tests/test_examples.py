@@ -80,7 +80,7 @@ def test_a_bad_flag_is_one_line_on_rank_zero_with_exit_code_2():
              "--micro-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]
     first = _script_with_bad_flag(0, *flags)
     assert first.returncode == 2
-    assert first.stderr.strip().splitlines() == ["pretrain_gpt.py: error: --num-layers must be >= 1, got 0"]
+    assert first.stderr.strip().splitlines() == ["pretrain_gpt.py: error: --num-layers must be a positive integer, got 0"]
     other = _script_with_bad_flag(1, *flags)
     assert other.returncode == 2 and other.stderr == "" and other.stdout == ""
     unknown = _script_with_bad_flag(0, *flags[2:], "--num-layers", "2", "--no-such-flag")

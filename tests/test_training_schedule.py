@@ -262,7 +262,7 @@ def _parse(*flags, world_size="1"):
     (["--train-iters", "4", "--data-path", "x"], "exactly one data source"),
     (["--train-iters", "4", "--log-timers-to-tensorboard"], "needs --tensorboard-dir or --wandb-project"),
     (["--train-iters", "4", "--fp8-format", "e4m3", "--fp8-amax-history-len", "0"],
-     "--fp8-amax-history-len must be >= 1, got 0"),
+     "--fp8-amax-history-len must be an integer >= 1, got 0"),
 ])
 def test_bad_flag_combinations_are_one_line_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -28,7 +28,17 @@ def _parse(*flags, world_size=4, rank=0):
      "--num-attention-heads (4) must be divisible by --num-query-groups (3)"),
     (["--group-query-attention", "--num-query-groups", "2", "--num-attention-heads", "8",
       "--tensor-model-parallel-size", "4"], "--num-query-groups (2) must be divisible by --tensor-model-parallel-size (4)"),
-    (["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4: set --kv-channels"),
+    (["--hidden-size", "30"],
+     "--hidden-size (30) must be divisible by --num-attention-heads (4) unless --kv-channels is given"),
+    # The rules of values are their dataclasses' (training/configs.py builds them), in the flags' words.
+    (["--fp16", "--bf16"], "--fp16 and --bf16 cannot both be True"),
+    (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
+    (["--num-layers", "0"], "--num-layers must be a positive integer, got 0"),
+    (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be a positive integer, got 0"),
+    (["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "0"],
+     "--num-distributed-optimizer-instances must be a positive integer, got 0"),
+    (["--num-distributed-optimizer-instances", "0"], "--num-distributed-optimizer-instances need --use-torch-fsdp2"),
+    (["--fp16", "--loss-scale", "0"], "--loss-scale must be a positive number"),
     (["--ffn-hidden-size", "30", "--tensor-model-parallel-size", "4"],
      "--ffn-hidden-size (30) must be divisible by --tensor-model-parallel-size (4)"),
     (["--kv-channels", "0"], "--kv-channels must be >= 1, got 0"),
@@ -58,6 +68,23 @@ def test_copy_kernel_flags_need_fsdp2(flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parse(flag)
     assert exit_info.value.code == 2 and "--[no-]torch-fsdp2-copy-kernels" in capsys.readouterr().err
+
+
+def test_every_config_is_built_once_right_after_parsing():
+    from megatron_fsdp.distributed import TorchFullyShardedDataParallelConfig
+    from megatron_fsdp.optimizer import OptimizerConfig
+    from megatron_fsdp.transformer import TransformerConfig
+
+    replicated = _parse("--bf16", "--lr", "3e-4", "--clip-grad", "0.5").configs
+    assert replicated.ddp is None and isinstance(replicated.model, TransformerConfig) and replicated.model.bf16
+    assert isinstance(replicated.optimizer, OptimizerConfig)
+    assert (replicated.optimizer.lr, replicated.optimizer.clip_grad, replicated.optimizer.bf16) == (3e-4, 0.5, True)
+    assert replicated.scheduler["max_lr"] == 3e-4 and replicated.scheduler["lr_decay_steps"] == 4 * 8
+    sharded = _parse("--use-torch-fsdp2", "--bf16", "--torch-fsdp2-no-reshard-after-forward").configs
+    assert isinstance(sharded.ddp, TorchFullyShardedDataParallelConfig)
+    assert (sharded.ddp.reshard_after_forward, sharded.ddp.grad_reduce_in_fp32, sharded.ddp.fsdp_copy_kernels) \
+        == (False, True, True)  # Megatron: --bf16 reduces in fp32 unless --grad-reduce-in-bf16
+    assert _parse("--hidden-size", "48").kv_channels == 12  # TransformerConfig's derived default, back in args
 
 
 def test_copy_kernels_are_visible_in_the_flags():

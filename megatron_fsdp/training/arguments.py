@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import sys
 import warnings
 from typing import Optional
+
+from .configs import build_configs, core_transformer_config_from_args, in_flag_words  # noqa: F401
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -210,13 +211,15 @@ def _add_logging_args(a) -> None:
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    # Checked on every rank before any process group exists: all ranks fail alike.
+    """The rules about flags themselves (required, exclusive, needing another
+    flag, files and packages), Megatron-LM's derived defaults, then every
+    config built once (training/configs.py): a value's own rules are its
+    dataclass's, reported here as a flag error. Checked on every rank before
+    any process group exists: all ranks fail alike."""
     # (Required here, not by argparse, so that a script's `defaults` can supply them.)
     missing = [f"--{n.replace('_', '-')}" for n in ("micro_batch_size", "lr") if getattr(args, n) is None]
     if missing:
         parser.error(f"the following arguments are required: {', '.join(missing)}")
-    if args.fp16 and args.bf16:
-        parser.error("--fp16 and --bf16 exclude each other")
     if args.weight_decay_incr_style == "constant":
         if args.start_weight_decay is not None or args.end_weight_decay is not None:
             parser.error("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or cosine")
@@ -232,8 +235,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "tensor_model_parallel_size", "log_interval", "make_vocab_size_divisible_by",
+    # The training loop's own numbers (the model's are TransformerConfig's).
+    for name in ("seq_length", "micro_batch_size", "log_interval", "make_vocab_size_divisible_by",
                  "tensorboard_log_interval", "tensorboard_queue_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -256,25 +259,26 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if not args.use_torch_fsdp2 and (args.torch_fsdp2_no_reshard_after_forward
                                      or args.torch_fsdp2_accumulate_unsharded_grads
                                      or args.torch_fsdp2_copy_kernels is not None
-                                     or args.num_distributed_optimizer_instances > 1):
+                                     or args.num_distributed_optimizer_instances != 1):
         parser.error("--torch-fsdp2-no-reshard-after-forward, --torch-fsdp2-accumulate-unsharded-grads, "
                      "--[no-]torch-fsdp2-copy-kernels and --num-distributed-optimizer-instances "
                      "need --use-torch-fsdp2")
-    if args.lr <= 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
     _validate_model(parser, args)
-    _validate_parallel_and_batch(parser, args)
     _validate_schedule(parser, args)
     _validate_data(parser, args)
     _validate_logging(parser, args)
     _validate_fp8(parser, args)
-    # The model's own rules (heads, query groups and FFN vs TP, dropouts, recomputation,
-    # fusions, ...) are TransformerConfig's: building it does no communication and touches
-    # no device, so they fail here, before start-up, in the flags' words.
+    _validate_parallel_and_batch(parser, args)
+    # Every config, once: the model's rules (sizes, heads, query groups and FFN vs TP, dropouts,
+    # recomputation, fusions, fp8), the optimizer's (learning rate, loss scaling), the wrapper's.
+    # Building them does no communication and touches no device.
+    flags = {action.dest: action.option_strings[0] for action in reversed(parser._actions)
+             if action.option_strings}
     try:
-        core_transformer_config_from_args(args)
+        args.configs = build_configs(args)
     except (ValueError, NotImplementedError) as exc:
-        parser.error(_in_flag_words(str(exc), args))
+        parser.error(in_flag_words(str(exc), flags))
+    args.kv_channels = args.configs.model.kv_channels  # TransformerConfig's default: hidden / heads
     _validate_rope(parser, args)
 
 
@@ -284,17 +288,12 @@ def _validate_model(parser, args) -> None:
     if args.seq_length > args.max_position_embeddings:
         parser.error(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                      f"{args.max_position_embeddings}")
-    if args.ffn_hidden_size is None:
+    if args.ffn_hidden_size is None and args.hidden_size >= 1:
         # Megatron's default; with SwiGLU it keeps the parameter count of a 4h GELU MLP.
         args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
         if args.ffn_hidden_size < 1:
             parser.error(f"--swiglu with --hidden-size {args.hidden_size} gives Megatron's default FFN size 0: "
                          "set --ffn-hidden-size")
-    if args.kv_channels is None:
-        if args.hidden_size % args.num_attention_heads != 0:
-            parser.error(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-                         f"{args.num_attention_heads}: set --kv-channels")
-        args.kv_channels = args.hidden_size // args.num_attention_heads
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
 
@@ -310,24 +309,16 @@ def _validate_rope(parser, args) -> None:
                          f"{args.rotary_percent} = {dim} dimensions: it must be a positive even number")
 
 
-_FIELD_NAME = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
-
-
-def _in_flag_words(message: str, args) -> str:
-    """A TransformerConfig error in the command line's words: its field names are
-    the flags' dests (num_attention_heads -> --num-attention-heads)."""
-    return _FIELD_NAME.sub(lambda m: "--" + m.group(0).replace("_", "-") if hasattr(args, m.group(0))
-                           else m.group(0), message)
-
-
 def _validate_parallel_and_batch(parser, args) -> None:
     args.world_size = world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
     tp = args.tensor_model_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        return  # TransformerConfig's error (built next), in the flags' words
     if world_size % tp != 0:
         parser.error(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
     args.data_parallel_size = dp = world_size // tp
-    if dp % args.num_distributed_optimizer_instances != 0:
+    if args.num_distributed_optimizer_instances >= 1 and dp % args.num_distributed_optimizer_instances != 0:
         parser.error(f"data-parallel size {dp} is not divisible by --num-distributed-optimizer-instances "
                      f"{args.num_distributed_optimizer_instances}")
     if args.global_batch_size is None:
@@ -443,45 +434,3 @@ def _validate_fp8(parser, args) -> None:
         return
     if args.fp8_param_gather and not args.use_torch_fsdp2:
         parser.error("--fp8-param-gather needs --use-torch-fsdp2")
-    if args.fp8_amax_history_len < 1:  # the same rule as TransformerConfig's (a negative margin is allowed)
-        parser.error(f"--fp8-amax-history-len must be >= 1, got {args.fp8_amax_history_len}")
-    if args.first_last_layers_bf16:
-        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-            if not 0 <= getattr(args, name) <= args.num_layers:
-                parser.error(f"--{name.replace('_', '-')} must be in [0, --num-layers {args.num_layers}], got "
-                             f"{getattr(args, name)}")
-
-
-def core_transformer_config_from_args(args, config_class=None):
-    """The TransformerConfig the flags describe (Megatron-LM's helper of the same name).
-    The fp8 fields are passed only with --fp8-format."""
-    import torch.nn.functional as F
-
-    from ..transformer import TransformerConfig
-    fields = dict(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std, bf16=args.bf16, fp16=args.fp16,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        # As Megatron-LM: no bias, no bias+GELU fusion; RoPE fusion only with RoPE.
-        bias_activation_fusion=args.bias_swiglu_fusion if args.swiglu else
-        (args.bias_gelu_fusion and not args.disable_bias_linear),
-        masked_softmax_fusion=args.masked_softmax_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
-        apply_rope_fusion=args.apply_rope_fusion and args.position_embedding_type == "rope",
-        persist_layer_norm=not args.no_persist_layer_norm,
-    )
-    if args.fp8 is not None:
-        fields.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
-                      fp8_amax_history_len=args.fp8_amax_history_len,
-                      fp8_amax_compute_algo=args.fp8_amax_compute_algo, fp8_wgrad=args.fp8_wgrad,
-                      first_last_layers_bf16=args.first_last_layers_bf16,
-                      num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
-                      num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16, fp8_param=args.fp8_param_gather)
-    return (config_class or TransformerConfig)(**fields)

@@ -35,12 +35,12 @@ from typing import Optional
 import torch
 
 from .. import parallel_state
-from ..distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+from ..distributed import TorchFullyShardedDataParallel
 from ..fp8 import convert_to_fp8
 from ..distributed.finalize_model_grads import finalize_model_grads
 from ..enums import ModelType
 from ..num_microbatches_calculator import get_num_microbatches, update_num_microbatches
-from ..optimizer import OptimizerConfig, get_megatron_optimizer
+from ..optimizer import get_megatron_optimizer
 from ..optimizer_param_scheduler import OptimizerParamScheduler
 from ..pipeline_parallel import get_forward_backward_func
 from ..tensor_parallel.utils import local_tensor
@@ -173,51 +173,20 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({parallel_state.get_tensor_model_parallel_rank()}, 0): {count}", flush=True)
-    if wrap_with_ddp and args.use_torch_fsdp2:
-        fields = dict(
-            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-            overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-            reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward,
-            accumulate_unsharded_grads_in_no_sync=args.torch_fsdp2_accumulate_unsharded_grads,
-            fsdp_copy_kernels=args.torch_fsdp2_copy_kernels is not False)
-        if args.fp8_param_gather:
-            fields["fp8_param_gather"] = True
-        model = TorchFullyShardedDataParallel(get_model_config(model), TorchFullyShardedDataParallelConfig(**fields),
-                                              model)
+    if wrap_with_ddp and args.configs.ddp is not None:
+        model = TorchFullyShardedDataParallel(get_model_config(model), args.configs.ddp, model)
         print_rank_0("> FSDP2 copy ops: " + ("megatron_fsdp's kernels" if model.fsdp_copy_kernels_active else
                                             "torch's" + (" (megatron_fsdp's kernels unavailable: warned above)"
-                                                         if fields["fsdp_copy_kernels"] else "")))
+                                                         if args.configs.ddp.fsdp_copy_kernels else "")))
     elif getattr(get_model_config(model), "fp8", None) is not None:
         convert_to_fp8(model)  # replicated: the wrapper's plan does this under --use-torch-fsdp2
     return [model]
 
 
 def get_optimizer_param_scheduler(optimizer, args=None) -> OptimizerParamScheduler:
-    """Megatron's schedule, counted in samples: warmup and decay lengths given
-    in iterations are multiplied by the global batch size."""
+    """Megatron's schedule (training/configs.py counts it in samples)."""
     args = args or get_args()
-    if args.train_samples:  # (train_iters is then derived from it, so test this first)
-        decay_steps = args.lr_decay_samples or args.train_samples
-        wd_incr_steps = args.train_samples
-        wsd_steps = args.lr_wsd_decay_samples
-        warmup_steps = args.lr_warmup_samples
-    else:
-        gbs = args.global_batch_size
-        decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
-        wd_incr_steps = args.train_iters * gbs
-        wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
-        warmup_steps = args.lr_warmup_iters * gbs
-    if args.lr_warmup_fraction is not None:
-        warmup_steps = args.lr_warmup_fraction * decay_steps
-    return OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup_steps,
-        lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler, wsd_decay_steps=wsd_steps,
-        lr_wsd_decay_style=args.lr_wsd_decay_style)
+    return OptimizerParamScheduler(optimizer, **args.configs.scheduler)
 
 
 def _iterations_for_samples(args) -> int:
@@ -235,12 +204,7 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
         args.train_iters = _iterations_for_samples(args)
         print_rank_0(f"setting training iterations to {args.train_iters}")
     model = get_model(model_provider_func, model_type, args=args)
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
-        fp16=args.fp16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis, log_num_zeros_in_grad=args.log_num_zeros_in_grad), model)
+    optimizer = get_megatron_optimizer(args.configs.optimizer, model)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     args.consumed_train_samples = args.consumed_valid_samples = 0

@@ -35,7 +35,7 @@ def check_fp8_config(config) -> None:
     """TransformerConfig's fp8 fields (called from its __post_init__; fp8/ gives them effect)."""
     where = type(config).__name__
     if config.fp8 is not None and config.fp8 not in FP8_FORMATS:
-        raise ValueError(f"fp8 (--fp8-format) must be one of {FP8_FORMATS} or None, got {config.fp8!r}")
+        raise ValueError(f"fp8 must be one of {FP8_FORMATS} or None, got {config.fp8!r}")
     # As in Megatron, the recipe matters (and is checked) only with fp8 on.
     if config.fp8 is not None and config.fp8_recipe in _TE_ONLY_FP8_RECIPES:
         raise NotImplementedError(
