@@ -162,3 +162,25 @@ def test_more_processes_than_gpus_is_one_line_before_any_collective(monkeypatch,
                        "or use --distributed-backend gloo to run on the CPU"], err
     else:
         assert err == []
+
+
+def test_help_shows_megatrons_groups_with_a_line_and_the_default_of_every_flag(capsys):
+    import argparse
+
+    from megatron_fsdp.training.argument_groups import add_megatron_arguments
+
+    parser = argparse.ArgumentParser()
+    add_megatron_arguments(parser)
+    titles = [g.title for g in parser._action_groups if g._group_actions]
+    assert {"network size", "regularization", "training", "learning rate", "checkpointing", "mixed precision",
+            "distributed", "validation", "data and dataloader", "tokenizer", "logging"} <= set(titles)
+    flags = [a for g in parser._action_groups if g.title not in ("options", "optional arguments")
+             for a in g._group_actions]
+    assert len(flags) > 140 and all(a.help and "\n" not in a.help for a in flags), \
+        [a.option_strings for a in flags if not a.help]
+    with pytest.raises(SystemExit) as exit_info:
+        _parse("--help")
+    out = " ".join(capsys.readouterr().out.split())  # as one line: the formatter wraps anywhere
+    assert exit_info.value.code == 0
+    assert out.count("(default: ") == len(flags)  # the formatter adds each default once
+    assert "network size:" in out and "--fp8-param-gather" in out

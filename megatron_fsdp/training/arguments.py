@@ -15,6 +15,7 @@ import sys
 import warnings
 from typing import Optional
 
+from .argument_groups import add_megatron_arguments
 from .configs import build_configs, core_transformer_config_from_args, in_flag_words  # noqa: F401
 
 
@@ -30,104 +31,8 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
     `extra_args_provider(parser)` may add a script's own flags (and returns the
     parser) and `defaults` overrides flag defaults by destination name."""
     p = _OneLineErrors(description="Pretrain a GPT model the Megatron way, with megatron_fsdp.",
-                       allow_abbrev=False)
-    a = p.add_argument
-    a("--tensor-model-parallel-size", type=int, default=1)
-    a("--use-torch-fsdp2", action="store_true")
-    a("--torch-fsdp2-no-reshard-after-forward", action="store_true")
-    # Not a Megatron flag: Megatron's FSDP2 path always reduce-scatters each microbatch.
-    a("--torch-fsdp2-accumulate-unsharded-grads", action="store_true")
-    # Not a Megatron flag: our C++/CUDA kernels behind FSDP2's copy ops, on by default with
-    # --use-torch-fsdp2 (the run's log says which serve); --no-torch-fsdp2-copy-kernels: torch's.
-    a("--torch-fsdp2-copy-kernels", action=argparse.BooleanOptionalAction, default=None)
-    a("--num-distributed-optimizer-instances", type=int, default=1)
-    a("--use-distributed-optimizer", action="store_true")
-    a("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    a("--grad-reduce-in-bf16", action="store_true")
-    a("--overlap-grad-reduce", action="store_true")
-    a("--overlap-param-gather", action="store_true")
-    a("--save", default=None)
-    a("--load", default=None)
-    a("--save-interval", type=int, default=None)
-    a("--ckpt-format", default="torch_dcp")
-    a("--no-load-optim", action="store_true")
-    a("--no-load-rng", action="store_true")
-    a("--exit-on-missing-checkpoint", action="store_true")
-    a("--no-verify-checkpoint", action="store_true")
-    a("--override-opt-param-scheduler", action="store_true")
-    a("--use-checkpoint-opt-param-scheduler", action="store_true")
-    a("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false")
-    a("--exit-signal-handler", action="store_true")
-    a("--exit-interval", type=int, default=None)
-    a("--exit-duration-in-mins", type=float, default=None)
-    a("--distributed-timeout-minutes", type=float, default=10)
-    a("--sequence-parallel", action="store_true")
-    a("--num-layers", type=int, required=True)
-    a("--hidden-size", type=int, required=True)
-    a("--ffn-hidden-size", type=int, default=None)
-    a("--num-attention-heads", type=int, required=True)
-    a("--group-query-attention", action="store_true")
-    a("--num-query-groups", type=int, default=1)
-    a("--kv-channels", type=int, default=None)
-    a("--seq-length", type=int, required=True)
-    a("--max-position-embeddings", type=int, default=None)
-    a("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default="learned_absolute")
-    a("--rotary-percent", type=float, default=1.0)
-    a("--rotary-base", type=int, default=10000)
-    a("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    a("--norm-epsilon", type=float, default=1e-5)
-    a("--swiglu", action="store_true")
-    a("--disable-bias-linear", action="store_true")
-    a("--untie-embeddings-and-output-weights", action="store_true")
-    a("--hidden-dropout", type=float, default=0.1)
-    a("--attention-dropout", type=float, default=0.1)
-    a("--init-method-std", type=float, default=0.02)
-    a("--recompute-granularity", choices=["full", "selective"], default=None)
-    a("--recompute-method", choices=["uniform", "block"], default=None)
-    a("--recompute-num-layers", type=int, default=None)
-    a("--micro-batch-size", type=int, default=None)
-    a("--global-batch-size", type=int, default=None)
-    a("--rampup-batch-size", nargs=3, type=int, default=None, metavar=("START", "INCREMENT", "SAMPLES"))
-    a("--decrease-batch-size-if-needed", action="store_true")
-    a("--train-iters", type=int, default=None)
-    a("--train-samples", type=int, default=None)
-    a("--eval-iters", type=int, default=100)
-    a("--eval-interval", type=int, default=None)
-    a("--skip-train", action="store_true")
-    a("--finetune", action="store_true")
-    a("--lr", type=float, default=None)
-    a("--min-lr", type=float, default=0.0)
-    a("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="linear")
-    a("--lr-wsd-decay-iters", type=int, default=None)
-    a("--lr-wsd-decay-style", choices=["linear", "cosine", "exponential", "minus_sqrt"], default="exponential")
-    a("--lr-warmup-iters", type=int, default=0)
-    a("--lr-warmup-samples", type=int, default=0)
-    a("--lr-warmup-fraction", type=float, default=None)
-    a("--lr-decay-samples", type=int, default=None)
-    a("--lr-wsd-decay-samples", type=int, default=None)
-    a("--lr-warmup-init", type=float, default=0.0)
-    a("--lr-decay-iters", type=int, default=None)
-    a("--weight-decay", type=float, default=0.01)
-    a("--start-weight-decay", type=float, default=None)
-    a("--end-weight-decay", type=float, default=None)
-    a("--weight-decay-incr-style", choices=["constant", "linear", "cosine"], default="constant")
-    a("--adam-beta1", type=float, default=0.9)
-    a("--adam-beta2", type=float, default=0.999)
-    a("--adam-eps", type=float, default=1e-8)
-    a("--clip-grad", type=float, default=1.0)
-    a("--bf16", action="store_true")
-    a("--fp16", action="store_true")
-    a("--loss-scale", type=float, default=None)
-    a("--initial-loss-scale", type=float, default=2 ** 32)
-    a("--min-loss-scale", type=float, default=1.0)
-    a("--loss-scale-window", type=float, default=1000)
-    a("--hysteresis", type=int, default=2)
-    a("--seed", type=int, default=1234)
-    _add_fusion_args(a)
-    _add_fp8_args(a)
-    _add_data_args(a)
-    _add_logging_args(a)
-    a("--distributed-backend", choices=["nccl", "gloo"], default=None)
+                       allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_megatron_arguments(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p)
     if defaults:
@@ -135,79 +40,6 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
     args = p.parse_args(argv)
     _validate(p, args)
     return args
-
-
-def _add_fusion_args(a) -> None:
-    # Megatron-LM's fusions are on by default; each one selects Megatron's
-    # numerics for that path (tanh GELU for bias+GELU, fp32 RoPE rotation...),
-    # see TransformerConfig. --no-* turns one off.
-    a("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
-    a("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
-    a("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
-    a("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
-    a("--no-rope-fusion", dest="apply_rope_fusion", action="store_false")
-    a("--no-persist-layer-norm", action="store_true")
-
-
-def _add_fp8_args(a) -> None:
-    a("--fp8-format", dest="fp8", choices=["e4m3", "hybrid"], default=None)
-    a("--fp8-recipe", choices=["tensorwise", "delayed"], default="delayed")
-    a("--fp8-margin", type=int, default=0)
-    a("--fp8-amax-history-len", type=int, default=1)
-    a("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
-    a("--no-fp8-wgrad", dest="fp8_wgrad", action="store_false")
-    a("--first-last-layers-bf16", action="store_true")
-    a("--num-layers-at-start-in-bf16", type=int, default=1)
-    a("--num-layers-at-end-in-bf16", type=int, default=1)
-    a("--fp8-param-gather", action="store_true")
-
-
-def _add_data_args(a) -> None:
-    a("--mock-data", action="store_true")
-    a("--data-path", nargs="*", default=None)
-    a("--split", default=None)
-    a("--train-data-path", nargs="*", default=None)
-    a("--valid-data-path", nargs="*", default=None)
-    a("--test-data-path", nargs="*", default=None)
-    a("--per-split-data-args-path", default=None)
-    a("--data-cache-path", default=None)
-    a("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false")
-    a("--num-workers", type=int, default=2)
-    a("--dataloader-type", choices=["single", "cyclic"], default="single")
-    a("--reset-position-ids", action="store_true")
-    a("--reset-attention-mask", action="store_true")
-    a("--eod-mask-loss", action="store_true")
-    a("--no-create-attention-mask-in-dataloader", dest="create_attention_mask_in_dataloader",
-      action="store_false")
-    a("--num-dataset-builder-threads", type=int, default=1)
-    a("--mid-level-dataset-surplus", type=float, default=0.005)
-    a("--tokenizer-type", default="NullTokenizer",
-      choices=["NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"])
-    a("--vocab-size", type=int, default=None)
-    a("--vocab-file", default=None)
-    a("--merge-file", default=None)
-    a("--tokenizer-model", default=None)
-    a("--vocab-extra-ids", type=int, default=0)
-    a("--tokenizer-hf-no-include-special-tokens", action="store_true")
-    a("--make-vocab-size-divisible-by", type=int, default=128)
-
-
-def _add_logging_args(a) -> None:
-    a("--log-interval", type=int, default=100)
-    a("--log-throughput", action="store_true")
-    a("--log-params-norm", action="store_true")
-    a("--log-num-zeros-in-grad", action="store_true")
-    a("--tensorboard-dir", default=None)
-    a("--tensorboard-log-interval", type=int, default=1)
-    a("--tensorboard-queue-size", type=int, default=1000)
-    a("--log-timers-to-tensorboard", action="store_true")
-    a("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard", action="store_false")
-    a("--log-validation-ppl-to-tensorboard", action="store_true")
-    a("--log-memory-to-tensorboard", action="store_true")
-    a("--log-world-size-to-tensorboard", action="store_true")
-    a("--wandb-project", default=None)
-    a("--wandb-exp-name", default=None)
-    a("--wandb-save-dir", default=None)
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
