@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import parallel_state, tensor_parallel
+from .. import _torch_compat, parallel_state, tensor_parallel
 from ..num_microbatches_calculator import destroy_num_microbatches_calculator, init_num_microbatches_calculator
 from ..utils import is_distributed
 from .global_vars import set_args
@@ -67,7 +68,36 @@ def shutdown_distributed(*, failed: bool = False, timeout: timedelta = DEFAULT_S
             f"{timeout.total_seconds():.0f} s ({type(exc).__name__}: {exc}); a peer has probably failed, "
             "see its error") from exc
     parallel_state.destroy_model_parallel()
+    store, world = _torch_compat.default_store(), dist.get_world_size()
     dist.destroy_process_group()
+    _wait_until_every_rank_destroyed(store, world)
+
+
+_SHUTDOWNS = 0  # this process's shutdowns so far: every rank counts alike, so it names this one
+_DESTROY_WAIT_S = 10.0
+
+
+def _wait_until_every_rank_destroyed(store, world: int) -> None:
+    """A process that exits while a peer is still inside destroy_process_group
+    can abort in its interpreter's teardown ("terminate called without an
+    active exception", seen with gloo after the barrier too, about one job in
+    thirty): meet once more on the rendezvous store, which outlives the group
+    (torchrun's agent hosts it). Best effort: a store that is gone or a peer
+    that never comes ends the wait, never the job."""
+    global _SHUTDOWNS
+    _SHUTDOWNS += 1
+    if store is None or world < 2:
+        return
+    # (A restarted torchrun worker group shares the agent's store: its attempt is part of the name.)
+    key = f"megatron_fsdp/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SHUTDOWNS}"
+    deadline = time.monotonic() + _DESTROY_WAIT_S
+    try:
+        arrived = store.add(key, 1)
+        while arrived < world and time.monotonic() < deadline:
+            time.sleep(0.005)
+            arrived = store.add(key, 0)
+    except Exception:  # (the store's server went away with its process: nothing left to wait for)
+        return
 
 
 class distributed_job:
