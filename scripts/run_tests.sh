@@ -13,7 +13,8 @@ cd "$ROOT"
 # The suite must exercise the compiled extension, not its Python fallback.
 export MEGATRON_FSDP_REQUIRE_EXTENSION=1
 rc=0
-"$PY" -m pytest -q tests "$@" || rc=$?
+# --durations: the slowest tests, so that a test that grew slow is seen (tiers: README).
+"$PY" -m pytest -q --durations=15 tests "$@" || rc=$?
 if [ "$#" -gt 0 ]; then
   echo "[run_tests] pytest arguments given: no CUDA build check (run without arguments for it)" >&2
 elif "$PY" -c "import sys; from megatron_fsdp import kernels; sys.exit(not kernels.extension_has_cuda())" 2>/dev/null; then

@@ -23,6 +23,13 @@ class _Pools:
             pool.close()
 
 
+def pytest_configure(config):
+    # The tiers: `-m "not e2e and not slow"` is the fast loop (README); CI runs everything.
+    config.addinivalue_line("markers", "e2e: launches the user's entry points as processes (torchrun, "
+                                       "scripts, builds)")
+    config.addinivalue_line("markers", "slow: a case that takes more than about 10 s on a 2-core machine")
+
+
 @pytest.fixture(scope="session")
 def pools():
     """pools(world_size) -> a WorkerPool shared by every test of the session."""

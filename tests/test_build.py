@@ -238,6 +238,7 @@ def _crash_env(tmp_path, cxx):
     return env
 
 
+@pytest.mark.e2e
 def test_loader_treats_a_crashing_extension_as_not_available(tmp_path, fake_cxx):
     _built_extension()
     cxx, _ = fake_cxx
@@ -276,6 +277,7 @@ def test_loader_treats_a_crashing_extension_as_not_available(tmp_path, fake_cxx)
     assert "1 failed" in proc.stdout and "SIGSEGV" in proc.stdout and cxx in proc.stdout
 
 
+@pytest.mark.e2e
 def test_build_check_program_stops_a_crashing_build(so_copy, tmp_path, fake_cxx):
     cxx, _ = fake_cxx
     env = _crash_env(tmp_path, cxx)
@@ -441,6 +443,7 @@ def _import_from_elsewhere(python: str, cwd) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.e2e
 def test_editable_install_needs_no_index(throwaway, fake_cxx):
     cxx, _ = fake_cxx
     copy, python = throwaway["copy"], throwaway["python"]
@@ -464,6 +467,7 @@ def test_editable_install_needs_no_index(throwaway, fake_cxx):
     assert _import_from_elsewhere(python, elsewhere) == str(so)
 
 
+@pytest.mark.e2e
 def test_env_sh_with_the_system_python_works_offline(throwaway, fake_cxx):
     cxx, _ = fake_cxx
     copy, python = throwaway["copy"], throwaway["python"]
@@ -484,6 +488,7 @@ def test_env_sh_with_the_system_python_works_offline(throwaway, fake_cxx):
     assert proc.returncode == 0 and "[env] building" not in proc.stdout, proc.stdout
 
 
+@pytest.mark.e2e
 def test_env_sh_stops_on_a_build_that_crashes_when_it_raises(throwaway, fake_cxx, tmp_path):
     """The build check after the build: a (simulated) crash stops env.sh with the compiler named."""
     cxx, _ = fake_cxx

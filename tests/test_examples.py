@@ -23,6 +23,7 @@ def _run(*extra_args: str) -> tuple[list[tuple[int, float, float]], str]:
     return [(int(m[1]), float(m[3]), float(m[4])) for m in rows if m], proc.stdout
 
 
+@pytest.mark.e2e
 def test_readme_pretraining_command_trains_and_resumes(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     rows, out = _run("--train-iters", "24", "--log-interval", "4", "--save", ckpt, "--save-interval", "12")
@@ -57,6 +58,7 @@ def test_readme_python_examples_are_whole_scripts_that_end_cleanly():
         assert lines[-1].startswith("shutdown_distributed()"), lines[-1]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("index", range(3))
 def test_readme_python_snippets_run_as_written(tmp_path, index):
     """Each ```python block of the README, alone, under torchrun with the process count it names."""
@@ -75,6 +77,7 @@ def _script_with_bad_flag(rank: int, *flags: str) -> subprocess.CompletedProcess
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e
 def test_a_bad_flag_is_one_line_on_rank_zero_with_exit_code_2():
     flags = ["--num-layers", "0", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
              "--micro-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]

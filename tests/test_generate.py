@@ -67,6 +67,7 @@ def _torchrun(nproc: int, script: str, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.e2e
 def test_generation_from_a_checkpoint_at_another_tensor_parallel_size(tmp_path):
     """Trained at TP=1 on mock data (documents counting up, modulo the
     vocabulary), generated at TP=2 and TP=1: the model counts on, and greedy

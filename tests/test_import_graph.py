@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "megatron_fsdp"
 
@@ -115,6 +117,7 @@ def test_the_scan_sees_function_level_and_relative_imports():
     assert f"{PACKAGE}.kernels.fsdp_copy_ops" in graph[f"{PACKAGE}.distributed.fsdp_plan"]
 
 
+@pytest.mark.e2e
 def test_import_megatron_fsdp_loads_only_what_it_exposes():
     code = ("import sys, megatron_fsdp; print(' '.join(sorted(m for m in sys.modules "
             "if m.startswith('megatron_fsdp.'))))")

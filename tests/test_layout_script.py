@@ -18,6 +18,7 @@ def _layout(tmp_path, gpus, **env):
                           env={"PATH": os.environ["PATH"], **env})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("gpus, env, expected", [
     (0, {}, "4 2 2 --tensor-model-parallel-size 2 --sequence-parallel"),   # CPU: 4 gloo workers
     (1, {}, "1 1 1 --tensor-model-parallel-size 1"),                       # one GPU: one process
@@ -32,6 +33,7 @@ def test_layout_follows_the_machine(tmp_path, gpus, env, expected):
     assert proc.stdout.strip() == expected
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("env, message", [
     ({"NPROC": "4", "TP": "3"}, "TP=3 must be a positive integer that divides NPROC=4 (the processes on this node)"),
     ({"NPROC": "4", "TP": "08"}, "TP=08 must be a positive integer that divides NPROC=4 (the processes on this node)"),

@@ -77,6 +77,7 @@ def test_null_tokenizer_end_to_end(tmp_path):
     assert "Processed 2 documents (" in proc.stderr and "docs/s" in proc.stderr and "MB/s)." in proc.stderr
 
 
+@pytest.mark.e2e
 def test_gpt2_end_to_end_and_workers_give_identical_bytes(tmp_path):
     vocab, merges = tiny_gpt2_files(tmp_path)
     # "meta" is not tokenized: its raw U+2028 only checks that lines are not split there.
@@ -216,6 +217,7 @@ def test_a_byte_that_is_not_utf8_is_one_error_naming_file_line_and_offset(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
 
 
+@pytest.mark.e2e
 def test_a_byte_that_is_not_utf8_from_the_command_line(tmp_path):
     src = _write_non_utf8(tmp_path / "in.jsonl")
     proc = subprocess.run([sys.executable, TOOL, "--input", src, "--output-prefix", str(tmp_path / "o"),

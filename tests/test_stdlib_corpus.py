@@ -5,11 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_fsdp.training.tokenizer.gpt2_bpe_tokenizer import GPT2BPETokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 def test_corpus_and_byte_vocabulary(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "stdlib_corpus.py"), "--output-dir", str(tmp_path),
                            "--max-megabytes", "0.2"], capture_output=True, text=True, cwd=ROOT)
@@ -28,6 +31,7 @@ def test_corpus_and_byte_vocabulary(tmp_path):
     assert tokenizer.detokenize(ids) == text
 
 
+@pytest.mark.e2e
 def test_bad_size_is_one_clear_error(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "stdlib_corpus.py"), "--output-dir", str(tmp_path),
                            "--max-megabytes", "0"], capture_output=True, text=True, cwd=ROOT)

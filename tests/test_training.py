@@ -57,6 +57,7 @@ def reference(tmp_path_factory):
     return tmp, rows, proc.stdout
 
 
+@pytest.mark.e2e
 def test_log_line_throughput_is_megatrons_formula(reference):
     _, rows, out = reference
     for iteration, m in rows.items():
@@ -70,6 +71,7 @@ def test_log_line_throughput_is_megatrons_formula(reference):
     assert "(after 1 iterations) memory (MB)" in out
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not HAVE_TENSORBOARD, reason="tensorboard is not installed (pip install tensorboard)")
 def test_tensorboard_gets_megatrons_scalars(reference):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -97,6 +99,7 @@ def test_tensorboard_gets_megatrons_scalars(reference):
     assert sorted(validation) == [3, 6] and ppl[3] == pytest.approx(math.exp(validation[3]), rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference):
     """Saved at iteration 3 by TP=2 x DP=2, resumed by TP=2 x DP=1 (twice the
     microbatches): iterations 4-6 see the same global batches, so the losses
@@ -116,6 +119,7 @@ def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference):
         assert float(got[iteration][6]) == pytest.approx(float(rows[iteration][6]), rel=2e-5)
 
 
+@pytest.mark.e2e
 def test_resume_with_other_model_flags_is_refused_before_loading(reference):
     """A different --hidden-size changes the weights' shapes: the error names the flag (from the
     checkpoint's recorded flags), not a shape mismatch deep in the loader, on every rank."""
@@ -138,6 +142,7 @@ def _checkpoint_at_iteration_3(reference, tmp_path) -> str:
     return ckpt
 
 
+@pytest.mark.e2e
 def test_a_changed_schedule_is_refused_before_any_shard_is_read(reference, tmp_path):
     """--train-iters 8 where the checkpoint's run had 6 (a longer decay) without
     --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler: the error comes from
@@ -157,6 +162,7 @@ def test_a_changed_schedule_is_refused_before_any_shard_is_read(reference, tmp_p
     assert "--override-opt-param-scheduler" in error_lines(proc.stderr)[0][3]
 
 
+@pytest.mark.e2e
 def test_a_resume_at_another_tp_size_warns_once_that_the_padded_vocabulary_changed(reference, tmp_path):
     """Saved at TP=2 (vocabulary 64 padded to 256 rows), resumed at TP=1 (128 rows): the padding
     logits enter the softmax as in Megatron, so the loss moves; rank 0 says so, once, and how to
@@ -178,6 +184,7 @@ def test_a_resume_at_another_tp_size_warns_once_that_the_padded_vocabulary_chang
         resumed.stdout[-3000:]
 
 
+@pytest.mark.e2e
 def test_fp8_training_resumes_exactly(tmp_path):
     """--fp8-format with delayed scaling and fp8 all-gather: a run resumed
     from its iteration-2 checkpoint (amax histories restored, weight scales
@@ -194,6 +201,7 @@ def test_fp8_training_resumes_exactly(tmp_path):
     assert losses[1] == {k: v for k, v in losses[0].items() if k > 2}
 
 
+@pytest.mark.e2e
 def test_token_ids_beyond_the_vocabulary_stop_every_rank_before_training(tmp_path):
     """Data tokenized with a larger vocabulary than --vocab-size: one clear error naming the
     file, on every rank, before the first iteration."""

@@ -43,6 +43,7 @@ def _tracker(ckpt) -> str:
         return f.read().strip()
 
 
+@pytest.mark.e2e
 def test_nan_loss_on_one_rank_stops_every_rank_and_saves_nothing_bad(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     fault = dict(MEGATRON_FSDP_FAULT="nan", FAULT_RANK=1, FAULT_ITERATION=3)
@@ -103,6 +104,7 @@ def _wait_for(paths: list[str], proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["one rank", "torchrun", "every process group"])
 def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path, reference, mode):
     """--exit-signal-handler with data loader worker processes (--num-workers 2): SIGTERM to one
@@ -164,6 +166,7 @@ def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path,
         assert _losses(resumed.stdout) == {k: v for k, v in losses.items() if k > 3}
 
 
+@pytest.mark.e2e
 def test_a_stuck_rank_is_named_when_the_collective_times_out(tmp_path):
     proc, elapsed = _run("tests/pretrain_with_faults.py", "--train-iters", "4", "--distributed-timeout-minutes", "0.1",
                          fault=dict(MEGATRON_FSDP_FAULT="stall", FAULT_RANK=3, FAULT_ITERATION=2, FAULT_SECONDS=60))

@@ -99,6 +99,7 @@ def test_a_good_model_still_parses():
     assert (args.num_query_groups, args.kv_channels, args.sequence_parallel) == (2, 16, True)
 
 
+@pytest.mark.e2e
 def test_heads_not_divisible_by_tp_stops_the_script_before_any_communication():
     """Through the script as torchrun starts it (rank 0 of 4), with no rendezvous to reach:
     one line and exit code 2 before any process group exists."""
