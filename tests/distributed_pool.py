@@ -69,9 +69,25 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
         except BaseException as exc:  # report everything, including assertion failures
             outcome = ("error", RankError(rank, type(exc).__name__, str(exc), traceback.format_exc()))
         finally:
-            parallel_state.destroy_model_parallel()
+            _reset_globals()
         results.put((rank, outcome))
     shutdown_distributed(timeout=timedelta(seconds=30))
+
+
+def _reset_globals() -> None:
+    """What one case leaves behind must not reach the next: the model-parallel state (and the
+    RNG tracker with it), pretrain()'s args, tokenizer and microbatch calculator, and the
+    process-wide FSDP copy kernels (only if a case loaded their adapter)."""
+    from megatron_fsdp import parallel_state
+    from megatron_fsdp.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron_fsdp.training.global_vars import destroy_global_vars
+
+    parallel_state.destroy_model_parallel()
+    destroy_global_vars()
+    destroy_num_microbatches_calculator()
+    copy_ops = sys.modules.get("megatron_fsdp.kernels.fsdp_copy_ops")
+    if copy_ops is not None:
+        copy_ops.disable_fsdp_copy_kernels()
 
 
 class WorkerPool:

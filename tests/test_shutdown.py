@@ -46,3 +46,27 @@ def test_a_failing_rank_ends_the_job_promptly_with_its_own_error():
     # of hanging until the 60 s process-group timeout.
     assert all(by_rank[r]["exit"] != 0 for r in (0, 2, 3)), statuses
     assert elapsed < 50, f"the failed job took {elapsed:.0f} s to end"
+
+
+def test_after_destroying_the_group_the_ranks_meet_on_the_store(monkeypatch):
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_fsdp.training import initialize
+
+    store = dist.HashStore()
+    done = []
+    ranks = [threading.Thread(target=lambda: done.append(initialize._wait_until_every_rank_destroyed(store, 2, "a")))
+             for _ in range(2)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout=5)
+    assert len(done) == 2  # both left once both had arrived
+    # A peer that never comes ends the wait after the bound, not the job; a missing store, at once.
+    monkeypatch.setattr(initialize, "_DESTROY_WAIT_S", 0.2)
+    start = time.monotonic()
+    initialize._wait_until_every_rank_destroyed(store, 2, "b")
+    initialize._wait_until_every_rank_destroyed(None, 2, "c")
+    assert 0.2 <= time.monotonic() - start < 3

@@ -16,11 +16,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat, parallel_state, tensor_parallel
-from ..utils import any_rank
 from ..fp8 import refresh_fp8_scales
 from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from ..transformer.transformer_layer import TransformerLayer
+from ..utils import any_rank
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .fsdp_plan import apply_fsdp_plan, plan_fsdp

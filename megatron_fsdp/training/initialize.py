@@ -70,26 +70,26 @@ def shutdown_distributed(*, failed: bool = False, timeout: timedelta = DEFAULT_S
     parallel_state.destroy_model_parallel()
     store, world = _torch_compat.default_store(), dist.get_world_size()
     dist.destroy_process_group()
-    _wait_until_every_rank_destroyed(store, world)
+    global _SHUTDOWNS
+    _SHUTDOWNS += 1
+    # (A restarted torchrun worker group shares the agent's store: its attempt is part of the name.)
+    _wait_until_every_rank_destroyed(
+        store, world, f"megatron_fsdp/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SHUTDOWNS}")
 
 
 _SHUTDOWNS = 0  # this process's shutdowns so far: every rank counts alike, so it names this one
 _DESTROY_WAIT_S = 10.0
 
 
-def _wait_until_every_rank_destroyed(store, world: int) -> None:
+def _wait_until_every_rank_destroyed(store, world: int, key: str) -> None:
     """A process that exits while a peer is still inside destroy_process_group
     can abort in its interpreter's teardown ("terminate called without an
-    active exception", seen with gloo after the barrier too, about one job in
-    thirty): meet once more on the rendezvous store, which outlives the group
+    active exception": seen with gloo after the barrier too, once in a CI run
+    of some thirty torchrun jobs): meet once more on the rendezvous store, which outlives the group
     (torchrun's agent hosts it). Best effort: a store that is gone or a peer
     that never comes ends the wait, never the job."""
-    global _SHUTDOWNS
-    _SHUTDOWNS += 1
     if store is None or world < 2:
         return
-    # (A restarted torchrun worker group shares the agent's store: its attempt is part of the name.)
-    key = f"megatron_fsdp/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SHUTDOWNS}"
     deadline = time.monotonic() + _DESTROY_WAIT_S
     try:
         arrived = store.add(key, 1)
