@@ -58,6 +58,7 @@ def _case_curves():
     return {name: _train(*_build(fp8), range(STEPS)) for name, fp8 in (("bf16", False), ("fp8", True))}
 
 
+@pytest.mark.slow  # about a minute on 2 cores: 60 steps of a TP2 x DP2 GPT, twice
 def test_fp8_with_fp8_all_gather_learns_like_bf16(pools):
     curves = pools(4).run(_case_curves)[0]
     bf16, fp8 = (sum(curves[name][-5:]) / 5 for name in ("bf16", "fp8"))
@@ -79,6 +80,7 @@ def _case_resume(save_dir):
     return uninterrupted, first + resumed
 
 
+@pytest.mark.slow  # about a minute on 2 cores
 def test_fp8_checkpoint_resumes_exactly(pools, tmp_path):
     uninterrupted, resumed = pools(4).run(_case_resume, str(tmp_path))[0]
     # Master weights, optimizer state and the delayed-scaling histories come back:
