@@ -38,6 +38,7 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
+    from ..models.gpt.megatron_layout import fc1_to_megatron
     from ..transformer.mlp import MLP
 
     inner = unwrap_model(model)
@@ -68,7 +69,7 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
         # so that no rank is left waiting in a collective.
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if name in interleaved:
-            full = torch.cat([full[0::2], full[1::2]])
+            full = fc1_to_megatron(full, tensor_model_parallel_size=1)  # the model's own layout converter
         if f is not None:
             try:
                 f.write(full.detach().to("cpu", dtype).contiguous().view(torch.uint8).numpy().tobytes())
