@@ -102,6 +102,10 @@ def _case_checkpoints(root):
     save_checkpoint(2, a, opt_a, save_dir=fp8_dir)  # the fp8 histories go with it
     saved_masters, saved_histories = _masters(a), _histories(a)
     assert all(float(h.max()) > 0 for roles in saved_histories.values() for h in roles.values())
+    # The histories sit under common.pt's "fp8", where checkpoints written before the converter
+    # registered them kept them too: those checkpoints load through the same entry.
+    common = torch.load(f"{fp8_dir}/iter_0000002/common.pt", weights_only=False)
+    assert sorted(common["fp8"]) == sorted(saved_histories), common.keys()
     saved = torch_dcp.read_metadata(f"{fp8_dir}/iter_0000002")
     key = "model.decoder.layers.0.mlp.linear_fc1.weight"
     assert saved[key].properties.dtype == torch.float32, "fp8 weights are saved as fp32 masters"

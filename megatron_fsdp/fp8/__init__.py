@@ -25,13 +25,15 @@ the interface the FSDP wrapper uses, in order:
   3. `refresh_fp8_scales(module)`: once the weights hold their values (after
      materialization + initialization of a meta-built model, or after
      fully_shard of an eager one) and before the first forward. Collective.
-  Afterwards `MegatronOptimizer.step()` calls `refresh_fp8_scales` after
-  every step; a loop with another optimizer calls it itself.
+  Afterwards the converter's post-step hook calls `refresh_fp8_scales` after
+  every MegatronOptimizer step; a loop with another optimizer calls it itself.
 
-Checkpoints: master weights are saved as plain tensors; the delayed-scaling
-histories come from `fp8_state_dict(model)` (the same on every rank) and go
-back with `load_fp8_state_dict(model, state_or_None)`, which every rank calls
-after loading weights: it also recomputes the weight scales (collective).
+Checkpoints: master weights are saved as plain tensors. The converter registers
+the model's delayed-scaling histories as checkpoint state ("fp8",
+utils.register_checkpoint_state): the checkpoint code saves and restores them
+without knowing fp8 (`fp8_state_dict` / `load_fp8_state_dict`, which also
+recomputes the weight scales: a collective, on every rank). The optimizer
+likewise only runs the post-step hook the converter registers.
 """
 
 from .convert import (

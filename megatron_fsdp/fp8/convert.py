@@ -24,10 +24,10 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_compat
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformer.transformer_layer import TransformerLayer
-from ..utils import register_post_step_hook
+from ..utils import register_checkpoint_state, register_post_step_hook
 from .linear import Fp8LinearState, _fp8_linears, check_fp8_weight_shape, fp8_linear
 from .recipe import Fp8Recipe, layer_runs_fp8
-from .refresh import refresh_fp8_scales
+from .refresh import fp8_state_dict, load_fp8_state_dict, refresh_fp8_scales
 from .weight import Fp8TrainingWeight, Fp8WeightMeta, is_fp8_training_weight
 
 
@@ -94,6 +94,22 @@ def linears_to_convert(model: nn.Module, config) -> list[tuple[str, nn.Module]]:
     return found
 
 
+class Fp8CheckpointState:
+    """A converted model's fp8 state in its checkpoints: the delayed-scaling
+    histories (the same on every rank; weights are saved in high precision).
+    Loading (a collective, every rank) restores them, fresh from a checkpoint
+    saved without fp8, and recomputes the weight scales from the loaded weights."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return fp8_state_dict(self.model)
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        load_fp8_state_dict(self.model, state)
+
+
 def convert_to_fp8(model: nn.Module, config=None) -> int:
     """The converter (see the module's docstring): `config` defaults to the
     model's own (`model.config`). Returns how many linears run fp8 now;
@@ -106,6 +122,9 @@ def convert_to_fp8(model: nn.Module, config=None) -> int:
             to_fp8_linear(linear, recipe, check_shape=False)  # checked above
         # The one post-step hook: the optimizer's step changes the weights, so their scales follow.
         register_post_step_hook(model, "fp8", functools.partial(refresh_fp8_scales, model))
+        # Delayed-scaling histories travel with the model's checkpoints (under "fp8", where
+        # checkpoints have always kept them).
+        register_checkpoint_state(model, "fp8", Fp8CheckpointState(model))
     if getattr(config, "fp8", None) is not None:
         for m in model.modules():
             if hasattr(m, "fp8_converted"):

@@ -50,12 +50,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import parallel_state
-from ..utils import broadcast_from_rank0, gather_to_rank0, get_rank_safe, get_world_size_safe, unwrap_model
+from ..utils import (broadcast_from_rank0, checkpoint_states, gather_to_rank0, get_rank_safe, get_world_size_safe,
+                     unwrap_model)
 from ..dist_checkpointing import checksums, core, publish, torch_dcp
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.export import export_safetensors
 from ..dist_checkpointing.vocab_padding import vocab_param_names
-from ..fp8 import fp8_state_dict, has_fp8_linears, load_fp8_state_dict
 from ..tensor_parallel import random as tp_random
 
 __all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "export_safetensors", "load_checkpoint",
@@ -111,6 +111,20 @@ def _serialized(obj) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+_COMMON_KEYS = ("iteration", "format", "version", "layout", "opt_param_scheduler", "grad_scaler", "vocab",
+                "extra_state")
+
+
+def _model_states(model) -> dict:
+    """The states the model registered to travel with it (utils.register_checkpoint_state:
+    the fp8 converter's histories, say), each under its name beside common.pt's own keys."""
+    states = {name: state.state_dict() for name, state in checkpoint_states(model).items()}
+    clash = sorted(set(states) & set(_COMMON_KEYS))
+    if clash:
+        raise ValueError(f"checkpoint state registered as {clash} would overwrite common.pt's own entries")
+    return states
 
 
 def _grad_scaler_state(optimizer) -> Optional[dict]:
@@ -178,8 +192,8 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
                 "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
                 "grad_scaler": _grad_scaler_state(optimizer),
                 "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(unwrap_model(model))},
-                # fp8 delayed-scaling histories (the same on every rank); weights are saved in high precision.
-                "fp8": fp8_state_dict(model) if has_fp8_linears(model) else None,
+                # What the model registered to travel with it (utils.register_checkpoint_state).
+                **_model_states(model),
                 "extra_state": extra_state or {}})
         for name, data in files.items():
             publish.write_durable(os.path.join(tmp, name), data)
@@ -426,10 +440,8 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
 
     padded = _padded_vocab_sizes(model, saved, state)
     torch_dcp.load_sharded(path, model, optimizer, state, rows)
-    if has_fp8_linears(model):
-        # Histories back (fresh ones from a checkpoint saved without fp8) and the
-        # weight scales recomputed from the loaded weights: a collective, on every rank.
-        load_fp8_state_dict(model, common.get("fp8"))
+    for name, model_state in checkpoint_states(model).items():
+        model_state.load_state_dict(common.get(name))  # every rank (it may communicate)
     if load_optim and opt_param_scheduler is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if scaler_state is not None:
@@ -454,7 +466,7 @@ def save_training_checkpoint(args, iteration: int, model, optimizer, opt_param_s
     """save_checkpoint to args.save with the training loop's state: consumed
     train/validation samples (so a resume reads the next sample an
     uninterrupted run would), the FLOPs so far, the architecture flags and,
-    (through save_checkpoint) the fp8 scaling state."""
+    (through save_checkpoint) what the model registered to travel with it."""
     extra = {
         "consumed_train_samples": int(args.consumed_train_samples),
         "consumed_valid_samples": int(args.consumed_valid_samples),
