@@ -55,7 +55,6 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
-    from megatron_fsdp import parallel_state
     from megatron_fsdp.training.initialize import shutdown_distributed
 
     while True:
