@@ -110,13 +110,17 @@ def register_post_step_hook(model: torch.nn.Module, name: str, hook) -> None:
     model.__dict__.setdefault(_POST_STEP_HOOKS, {})[name] = hook
 
 
-def post_step_hooks(models) -> list:
-    """The hooks registered on any module of `models` (a module or a list), in module order."""
-    found = []
+def _registered(models, attribute: str):
+    """(name, value) of every entry registered under `attribute` on any module of
+    `models` (a module or a list), in module order."""
     for model in ([models] if isinstance(models, torch.nn.Module) else models):
         for module in model.modules():
-            found.extend(module.__dict__.get(_POST_STEP_HOOKS, {}).values())
-    return found
+            yield from module.__dict__.get(attribute, {}).items()
+
+
+def post_step_hooks(models) -> list:
+    """The hooks registered on any module of `models` (a module or a list), in module order."""
+    return [hook for _, hook in _registered(models, _POST_STEP_HOOKS)]
 
 
 _CHECKPOINT_STATES = "checkpoint_states"
@@ -133,12 +137,10 @@ def register_checkpoint_state(model: torch.nn.Module, name: str, state) -> None:
 def checkpoint_states(models) -> dict:
     """name -> state registered on any module of `models` (a module or a list)."""
     found = {}
-    for model in ([models] if isinstance(models, torch.nn.Module) else models):
-        for module in model.modules():
-            for name, state in module.__dict__.get(_CHECKPOINT_STATES, {}).items():
-                if name in found and found[name] is not state:
-                    raise ValueError(f"two modules registered checkpoint state {name!r}")
-                found[name] = state
+    for name, state in _registered(models, _CHECKPOINT_STATES):
+        if name in found and found[name] is not state:
+            raise ValueError(f"two modules registered checkpoint state {name!r}")
+        found[name] = state
     return found
 
 

@@ -363,3 +363,24 @@ def test_train_samples_count_whole_global_batches_as_megatron(samples, global_ba
 
     args = SimpleNamespace(train_samples=samples, global_batch_size=global_batch)
     assert _iterations_for_samples(args) == iterations
+
+
+def _case_exit_duration(minutes):
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_fsdp.training.evaluation import exit_duration_reached
+
+    setup_parallel(1)
+    args = SimpleNamespace(exit_duration_in_mins=minutes)
+    # Only rank 0 has been running long: every rank must decide to stop at the same iteration.
+    start = time.time() - (3600 if dist.get_rank() == 0 else 0)
+    return exit_duration_reached(args, start), exit_duration_reached(args, None)
+
+
+def test_exit_duration_is_one_decision_for_every_rank(pools):
+    assert pools(2).run(_case_exit_duration, 1.0) == [(True, False)] * 2
+    assert pools(2).run(_case_exit_duration, 120.0) == [(False, False)] * 2
+    assert pools(2).run(_case_exit_duration, None) == [(False, False)] * 2

@@ -27,7 +27,8 @@ from ..utils import any_rank
 from .utils import print_rank_0, print_rank_last
 
 
-def _time_is_up(args, train_start: Optional[float]) -> bool:
+def exit_duration_reached(args, train_start: Optional[float]) -> bool:
+    """--exit-duration-in-mins has passed, as every rank agrees (a collective when the flag is set)."""
     if not args.exit_duration_in_mins or train_start is None:
         return False
     return any_rank(time.time() - train_start > 60 * args.exit_duration_in_mins, device=parallel_state.get_device())
@@ -70,7 +71,7 @@ def evaluate(forward_step_func, data_iterator, model, config, args, eval_iters: 
                     else:
                         raise ValueError(f"loss report {key!r} must hold 1 or 2 values, got {values[0].numel()}")
                 args.consumed_valid_samples += eval_batch_size
-                if _time_is_up(args, train_start):
+                if exit_duration_reached(args, train_start):
                     print_rank_0("Exiting during evaluation, timelimit reached")
                     return None, True
     finally:

@@ -36,21 +36,21 @@ import torch
 
 from .. import parallel_state
 from ..distributed import TorchFullyShardedDataParallel
-from ..fp8 import convert_to_fp8
 from ..distributed.finalize_model_grads import finalize_model_grads
 from ..enums import ModelType
+from ..fp8 import convert_to_fp8
 from ..num_microbatches_calculator import get_num_microbatches, update_num_microbatches
 from ..optimizer import get_megatron_optimizer
 from ..optimizer_param_scheduler import OptimizerParamScheduler
 from ..pipeline_parallel import get_forward_backward_func
 from ..tensor_parallel.utils import local_tensor
-from ..utils import any_rank, get_model_config, reject_unsupported
+from ..utils import get_model_config, reject_unsupported
 from .arguments import parse_args
 from .checkpointing import load_training_checkpoint, save_training_checkpoint
 from .data_iterators import build_train_valid_test_data_iterators
 from .dist_signal_handler import DistributedSignalHandler
 from .error_report import report_errors
-from .evaluation import evaluate, evaluate_and_print_results
+from .evaluation import evaluate, evaluate_and_print_results, exit_duration_reached
 from .flops import num_floating_point_operations
 from .global_vars import get_args, set_tokenizer
 from .initialize import distributed_job, initialize_distributed, initialize_megatron
@@ -308,10 +308,9 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration:
         return "a rank received SIGTERM (--exit-signal-handler)"
     if args.save_interval and iteration % args.save_interval == 0:
         save()
-    if args.exit_duration_in_mins:
-        if any_rank(time.time() - train_start > 60 * args.exit_duration_in_mins, device=parallel_state.get_device()):
-            save()
-            return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+    if exit_duration_reached(args, train_start):
+        save()
+        return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
     if args.exit_interval and iteration % args.exit_interval == 0:
         save()
         return f"--exit-interval {args.exit_interval}"
