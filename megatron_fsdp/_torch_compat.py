@@ -49,6 +49,7 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_common:compiled_autograd_enabled": ((2, 11), (2, 12)),
     "torch.distributed.fsdp._fully_shard._fsdp_param:ShardedState.SHARDED": ALL,
     "torch.distributed.checkpoint.planner_helpers:_create_chunk_list": ALL,
+    "torch.distributed.checkpoint.state_dict:_EXTRA_STATE": ALL,
     "torch:Tensor._make_wrapper_subclass": ALL,
     "torch._C:_disabled_torch_function_impl": ALL,
     "torch.utils._pytree:tree_map_only": ALL,
@@ -324,3 +325,12 @@ def create_chunk_list(tensor):
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
     return _create_chunk_list(tensor)
+
+
+def is_extra_state_placeholder(value) -> bool:
+    """`checkpoint.state_dict._EXTRA_STATE`: what set_model_state_dict with
+    full_state_dict=True hands a module's set_extra_state (it carries no extra
+    state across ranks); the module then keeps its own."""
+    from torch.distributed.checkpoint.state_dict import _EXTRA_STATE
+
+    return isinstance(value, _EXTRA_STATE)

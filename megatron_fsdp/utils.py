@@ -123,6 +123,21 @@ def post_step_hooks(models) -> list:
     return [hook for _, hook in _registered(models, _POST_STEP_HOOKS)]
 
 
+_WEIGHTS_CHANGED_HOOKS = "weights_changed_hooks"
+
+
+def register_weights_changed_hook(model: torch.nn.Module, name: str, hook) -> None:
+    """`hook()` runs after a data-parallel wrapper holding `model` overwrote its
+    weights outside an optimizer step (broadcast_params); loads run torch's
+    load_state_dict post-hooks instead. One hook per `name` and module."""
+    model.__dict__.setdefault(_WEIGHTS_CHANGED_HOOKS, {})[name] = hook
+
+
+def weights_changed_hooks(models) -> list:
+    """The hooks registered on any module of `models` (a module or a list), in module order."""
+    return [hook for _, hook in _registered(models, _WEIGHTS_CHANGED_HOOKS)]
+
+
 _CHECKPOINT_STATES = "checkpoint_states"
 
 

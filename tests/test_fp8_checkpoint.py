@@ -2,6 +2,8 @@
 across fp8 and high precision: a GPT at TP=2 x DP=2 under raw fully_shard,
 saved and loaded with training.checkpointing."""
 
+import shutil
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -13,11 +15,12 @@ from megatron_fsdp.fp8 import (
     Fp8GatheredWeight,
     convert_to_fp8,
     convert_to_fp8_weights,
+    fp8_state_dict,
     refresh_fp8_scales,
 )
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron_fsdp.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_fsdp.training.checkpointing import export_safetensors, load_checkpoint, save_checkpoint
 
 TP = 2
 VOCAB, SEQ, MICRO = 64, 16, 2
@@ -102,13 +105,22 @@ def _case_checkpoints(root):
     save_checkpoint(2, a, opt_a, save_dir=fp8_dir)  # the fp8 histories go with it
     saved_masters, saved_histories = _masters(a), _histories(a)
     assert all(float(h.max()) > 0 for roles in saved_histories.values() for h in roles.values())
-    # The histories sit under common.pt's "fp8", where checkpoints written before the converter
-    # registered them kept them too: those checkpoints load through the same entry.
+    older_format_histories = fp8_state_dict(a)  # where checkpoints before module state kept them
+    # The histories are the linears' module state, in the model's DCP state dict;
+    # common.pt no longer holds them.
     common = torch.load(f"{fp8_dir}/iter_0000002/common.pt", weights_only=False)
-    assert sorted(common["fp8"]) == sorted(saved_histories), common.keys()
+    assert "fp8" not in common, common.keys()
     saved = torch_dcp.read_metadata(f"{fp8_dir}/iter_0000002")
+    assert {f"model.{name}._extra_state" for name in saved_histories} <= set(saved), sorted(saved)
     key = "model.decoder.layers.0.mlp.linear_fc1.weight"
     assert saved[key].properties.dtype == torch.float32, "fp8 weights are saved as fp32 masters"
+    # Exported weights are the weights alone: the histories (extra state) are no tensor to export.
+    export_safetensors(a, f"{root}/a.safetensors")
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+        exported = load_file(f"{root}/a.safetensors")
+        assert exported.keys() == {name for name, _ in a.named_parameters()}, sorted(exported)
+        _assert_same({k: v for k, v in exported.items() if k in saved_masters}, saved_masters, "exported")
     uninterrupted_loss = _step(a, opt_a, 2)
 
     # Resumed in high precision: the same master weights, plain parameters.
@@ -132,12 +144,28 @@ def _case_checkpoints(root):
     d, opt_d = _model(fp8=True, seed=4)
     load_checkpoint(d, opt_d, load_dir=plain_dir)
     _assert_same(_masters(d), saved_masters, "plain checkpoint loaded with fp8")
-    assert all(h.amax_history is None for m in d.modules() if getattr(m, "fp8_state", None) is not None
-               for _, h in m.fp8_state.histories())
+    assert all(not h.calibrated and (h.amax_history is None or not h.amax_history.any())
+               for m in d.modules() if getattr(m, "fp8_state", None) is not None for _, h in m.fp8_state.histories())
     _check_gathered_weights(d, saved_masters)
     loss = torch.tensor(_step(d, opt_d, 2))
     dist.all_reduce(loss)
     assert torch.isfinite(loss)
+
+    # A checkpoint of the older format: weights in DCP, the histories under common.pt's
+    # "fp8" (made here from the plain checkpoint of the same state): resumes exactly too.
+    older_dir = f"{root}/older"
+    if dist.get_rank() == 0:
+        shutil.copytree(plain_dir, older_dir)
+        path = f"{older_dir}/iter_0000002/common.pt"
+        common = torch.load(path, weights_only=False)
+        torch.save({**common, "fp8": older_format_histories}, path)
+    dist.barrier()
+    e, opt_e = _model(fp8=True, seed=5)
+    load_checkpoint(e, opt_e, load_dir=older_dir, verify=False)  # common.pt changed: its checksum did
+    for name, roles in saved_histories.items():
+        _assert_same(_histories(e)[name], roles, f"histories of {name} from an older checkpoint")
+    _check_gathered_weights(e, saved_masters)
+    assert _step(e, opt_e, 2) == uninterrupted_loss
 
 
 def test_fp8_checkpoints_resume_with_and_without_fp8(pools, tmp_path):

@@ -17,6 +17,7 @@ from megatron_fsdp.distributed import (
     TorchFullyShardedDataParallelConfig,
 )
 from megatron_fsdp.models.gpt import GPTModel
+from megatron_fsdp.utils import register_weights_changed_hook
 
 STEPS = 3
 LR = 1e-2
@@ -163,8 +164,12 @@ def _case_broadcast_params_hsdp():
         with torch.no_grad():
             for p in wrapped.parameters():
                 p.to_local().add_(1.0)
+    seen = []  # state derived from the weights (the fp8 converter's scales) follows them
+    register_weights_changed_hook(wrapped.module.decoder, "probe", lambda: seen.append(full_params(wrapped.module)))
     wrapped.broadcast_params()
     assert_close_dicts(full_params(wrapped.module), expected, "after broadcast_params", rtol=0, atol=0)
+    assert len(seen) == 1, "broadcast_params runs the model's weights-changed hooks once"
+    assert_close_dicts(seen[0], expected, "weights the hook saw", rtol=0, atol=0)
 
 
 def test_broadcast_params_aligns_hsdp_replicas(pools):

@@ -10,6 +10,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..utils import all_gather_objects
 
 
+# The state-dict key of a module's extra state (nn.Module.get_extra_state), after the module's prefix.
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model."""
 

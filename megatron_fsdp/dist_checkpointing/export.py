@@ -42,7 +42,8 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
     from ..transformer.mlp import MLP
 
     inner = unwrap_model(model)
-    state = inner.state_dict()
+    # Weights only: module extra state (fp8 scaling histories) is no tensor to export.
+    state = {name: t for name, t in inner.state_dict().items() if isinstance(t, torch.Tensor)}
     interleaved = {f"{name}.linear_fc1.{p}".lstrip(".") for name, m in inner.named_modules()
                    if isinstance(m, MLP) and m.gated for p in ("weight", "bias")}
     header, offset = {}, 0

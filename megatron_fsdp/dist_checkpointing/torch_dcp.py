@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..utils import unwrap_model
 from . import vocab_padding
 from .checksums import ChecksumFileSystemWriter
-from .core import CheckpointError, describe
+from .core import EXTRA_STATE_SUFFIX, CheckpointError, describe
 
 
 def _inner_optimizer(optimizer):
@@ -69,9 +69,18 @@ def prepare_load(path: str, model: nn.Module, optimizer, saved: dict, saved_voca
     """The state to load into and the tensors to read partially (vocabulary
     rows across padding); raises CheckpointError when the checkpoint does not fit."""
     state = sharded_state(model, optimizer, main_params=any(k.startswith("main_params.") for k in saved))
+    # Module extra state (fp8 scaling histories) that the checkpoint lacks (saved
+    # without it, or before it was module state) is not read: the module keeps its own.
+    for key in [k for k in state["model"] if k.endswith(EXTRA_STATE_SUFFIX) and f"model.{k}" not in saved]:
+        del state["model"][key]
     rows = vocab_padding.plan_rows(path, saved, state, vocab_padding.vocab_param_names(unwrap_model(model)),
                                    saved_vocab, true_vocab_size)
     return state, rows
+
+
+def _extra_state_keys(model: nn.Module) -> list[str]:
+    return [f"{name}.{EXTRA_STATE_SUFFIX}".lstrip(".") for name, m in model.named_modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state]
 
 
 def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict) -> None:
@@ -83,6 +92,9 @@ def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {describe(exc)}") from exc
     inner = unwrap_model(model)
+    for key in _extra_state_keys(inner):
+        if key not in state["model"]:  # not in the checkpoint (prepare_load): the module keeps its own
+            state["model"][key] = inner.get_submodule(key[:-len(EXTRA_STATE_SUFFIX) - 1]).get_extra_state()
     set_model_state_dict(inner, state["model"], options=StateDictOptions(strict=True))
     if optimizer is not None and "main_params" not in state and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat
-from .core import CheckpointError
+from .core import EXTRA_STATE_SUFFIX, CheckpointError
 
 
 def vocab_param_names(model: nn.Module) -> list[str]:
@@ -95,7 +95,10 @@ def plan_rows(path: str, saved: dict, state: dict, names: list[str], saved_vocab
         elif key in rowed and both_known and want[1:] == have[1:]:
             problem += f" (fewer rows than the true vocabulary of {true_vocab_size})"
         problems.append(problem)
-    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k not in checked)
+    # Module extra state the model does not keep (an fp8 run's scaling histories
+    # loaded without fp8) is left unread; any other tensor must find its place.
+    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k not in checked
+                   and not k.endswith(EXTRA_STATE_SUFFIX))
     problems += [f"{k}: in the checkpoint but not in the model" for k in extra]
     if problems:
         shown = "\n  ".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")

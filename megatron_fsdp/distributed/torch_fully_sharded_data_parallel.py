@@ -16,11 +16,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat, parallel_state, tensor_parallel
-from ..fp8 import refresh_fp8_scales
 from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from ..transformer.transformer_layer import TransformerLayer
-from ..utils import any_rank
+from ..utils import any_rank, weights_changed_hooks
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .fsdp_plan import apply_fsdp_plan, plan_fsdp
@@ -179,21 +178,18 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
             src = dist.get_global_rank(self.process_group, 0)
             for b in self.module.buffers():
                 dist.broadcast(b, src=src, group=self.process_group)
-        self._refresh_fp8_scales()
+        for hook in weights_changed_hooks(self.module):  # state derived from the weights (fp8 scales)
+            hook()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load into the sharded parameters in place: values may be DTensors
-        sharded like the model's, or full tensors (each rank keeps its shard)."""
+        sharded like the model's, or full tensors (each rank keeps its shard).
+        State derived from the weights follows through the model's own
+        load_state_dict post-hooks (the fp8 converter's scales)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = not any(isinstance(v, DTensor) for v in state_dict.values())
         # A copy: torch replaces full tensors in the dict it is given by their shards.
         result = set_model_state_dict(self.module, dict(state_dict),
                                       options=StateDictOptions(full_state_dict=full, strict=strict))
-        self._refresh_fp8_scales()
         return result
-
-    def _refresh_fp8_scales(self) -> None:
-        """New weight values need new fp8 all-gather scales (a collective)."""
-        if self.ddp_config.fp8_param_gather:
-            refresh_fp8_scales(self.module)

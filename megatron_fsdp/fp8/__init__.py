@@ -28,12 +28,14 @@ the interface the FSDP wrapper uses, in order:
   Afterwards the converter's post-step hook calls `refresh_fp8_scales` after
   every MegatronOptimizer step; a loop with another optimizer calls it itself.
 
-Checkpoints: master weights are saved as plain tensors. The converter registers
-the model's delayed-scaling histories as checkpoint state ("fp8",
-utils.register_checkpoint_state): the checkpoint code saves and restores them
-without knowing fp8 (`fp8_state_dict` / `load_fp8_state_dict`, which also
-recomputes the weight scales: a collective, on every rank). The optimizer
-likewise only runs the post-step hook the converter registers.
+Checkpoints: master weights are saved as plain tensors. The delayed-scaling
+histories are each converted linear's module state (`get_extra_state`), so
+they travel in the model's state dict and its DCP checkpoints like any other
+module state; the converter's load_state_dict post-hook recomputes the weight
+scales from loaded weights (a collective, on every rank). Checkpoints written
+before kept the histories under common.pt's "fp8": the converter registers a
+reader for them (utils.register_checkpoint_state). The optimizer, the wrapper
+and the checkpoint code only run what the converter registered.
 """
 
 from .convert import (
@@ -48,7 +50,8 @@ from .convert import (
 )
 from .linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
 from .recipe import Fp8Recipe, is_first_last_bf16_layer, layer_runs_fp8
-from .refresh import fp8_state_dict, has_fp8_linears, load_fp8_state_dict, refresh_fp8_scales
+from .refresh import (fp8_state_dict, has_fp8_linears, load_fp8_state_dict, refresh_fp8_scales,
+                      refresh_fp8_weight_scales)
 from .weight import Fp8GatheredWeight, Fp8TrainingWeight, is_fp8_training_weight
 
 __all__ = [
@@ -72,5 +75,6 @@ __all__ = [
     "linears_to_convert",
     "load_fp8_state_dict",
     "refresh_fp8_scales",
+    "refresh_fp8_weight_scales",
     "to_fp8_linear",
 ]

@@ -13,7 +13,7 @@ to run with `config.fp8` set and no conversion.
 
 from __future__ import annotations
 
-import functools
+import io
 from collections import Counter
 from typing import Optional
 
@@ -21,13 +21,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .. import _torch_compat
+from .. import _torch_compat, parallel_state
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformer.transformer_layer import TransformerLayer
-from ..utils import register_checkpoint_state, register_post_step_hook
+from ..utils import register_checkpoint_state, register_post_step_hook, register_weights_changed_hook
 from .linear import Fp8LinearState, _fp8_linears, check_fp8_weight_shape, fp8_linear
 from .recipe import Fp8Recipe, layer_runs_fp8
-from .refresh import fp8_state_dict, load_fp8_state_dict, refresh_fp8_scales
+from .refresh import load_fp8_state_dict, refresh_fp8_scales, refresh_fp8_weight_scales
 from .weight import Fp8TrainingWeight, Fp8WeightMeta, is_fp8_training_weight
 
 
@@ -43,6 +43,38 @@ class Fp8Linear:
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8={self.fp8_state.recipe.format}"
+
+    # The delayed-scaling histories are module state (torch's extra state), so they
+    # travel in the model's state dict and thus in its DCP checkpoints, under
+    # "<linear>._extra_state". Serialized (Transformer Engine's convention): DCP
+    # stores the bytes once (the histories are the same on every rank) and
+    # hands them back whole, whatever the history length of the loading run.
+
+    def get_extra_state(self) -> io.BytesIO:
+        buffer = io.BytesIO()
+        torch.save({role: h.state_dict() for role, h in self.fp8_state.histories()}, buffer)
+        buffer.seek(0)
+        return buffer
+
+    def set_extra_state(self, state) -> None:
+        """Restore what get_extra_state saved ({} or a "tensorwise" run's: fresh
+        histories). The weight scales follow from the loaded weights: the
+        converter's load_state_dict post-hook recomputes them. A load of full
+        tensors through torch's set_model_state_dict carries no extra state:
+        the histories stay as they are."""
+        if _torch_compat.is_extra_state_placeholder(state):
+            return
+        if isinstance(state, (bytes, bytearray)):
+            state = io.BytesIO(state)
+        if isinstance(state, io.BytesIO):
+            state.seek(0)
+            state = torch.load(state, weights_only=True)
+        if not isinstance(state, dict):
+            raise TypeError(f"{type(self).__name__}: fp8 extra state must be what get_extra_state returned, "
+                            f"got {type(state).__name__}")
+        device = parallel_state.get_device_or_cpu()
+        for role, history in self.fp8_state.histories():
+            history.load_state_dict(state.get(role, {}), device)
 
 
 _FP8_CLASSES: dict[type, type] = {}
@@ -94,20 +126,28 @@ def linears_to_convert(model: nn.Module, config) -> list[tuple[str, nn.Module]]:
     return found
 
 
-class Fp8CheckpointState:
-    """A converted model's fp8 state in its checkpoints: the delayed-scaling
-    histories (the same on every rank; weights are saved in high precision).
-    Loading (a collective, every rank) restores them, fresh from a checkpoint
-    saved without fp8, and recomputes the weight scales from the loaded weights."""
+class Fp8HistoriesOfOlderCheckpoints:
+    """Checkpoints written before the histories became module state kept them
+    in common.pt under "fp8": this reads them (a collective, every rank) into
+    the model just loaded. It writes nothing: newer checkpoints hold the
+    histories in the model's own state dict (Fp8Linear.get_extra_state)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def state_dict(self) -> dict:
-        return fp8_state_dict(self.model)
+    def state_dict(self) -> None:
+        return None
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        load_fp8_state_dict(self.model, state)
+        if state:
+            load_fp8_state_dict(self.model, state)
+
+
+def _refresh_weight_scales_after_load(model: nn.Module, incompatible_keys) -> None:
+    # torch's load_state_dict post-hook: loaded weights need their fp8 scales (a
+    # collective: every rank loads). Runs for any load into the model, a DCP
+    # checkpoint's (set_model_state_dict) included.
+    refresh_fp8_weight_scales(model)
 
 
 def convert_to_fp8(model: nn.Module, config=None) -> int:
@@ -120,11 +160,14 @@ def convert_to_fp8(model: nn.Module, config=None) -> int:
         recipe = Fp8Recipe.from_config(config)
         for _, linear in linears:
             to_fp8_linear(linear, recipe, check_shape=False)  # checked above
-        # The one post-step hook: the optimizer's step changes the weights, so their scales follow.
-        register_post_step_hook(model, "fp8", functools.partial(refresh_fp8_scales, model))
-        # Delayed-scaling histories travel with the model's checkpoints (under "fp8", where
-        # checkpoints have always kept them).
-        register_checkpoint_state(model, "fp8", Fp8CheckpointState(model))
+        if not getattr(model, "_fp8_hooks_registered", False):
+            # The one post-step hook: the optimizer's step changes the weights, so their scales follow.
+            register_post_step_hook(model, "fp8", lambda: refresh_fp8_scales(model))
+            # So does a load (the histories load as the linears' extra state) or a broadcast.
+            model.register_load_state_dict_post_hook(_refresh_weight_scales_after_load)
+            register_weights_changed_hook(model, "fp8", lambda: refresh_fp8_weight_scales(model))
+            register_checkpoint_state(model, "fp8", Fp8HistoriesOfOlderCheckpoints(model))
+            model._fp8_hooks_registered = True
     if getattr(config, "fp8", None) is not None:
         for m in model.modules():
             if hasattr(m, "fp8_converted"):

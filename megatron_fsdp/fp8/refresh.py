@@ -6,14 +6,18 @@ the amaxes the delayed-scaling histories recorded during the step, and
 reduces all of them with ONE all-reduce (MAX) over the ranks that shard the
 weights (data x tensor parallel, parallel_state's amax-reduction group). So
 every rank holding a shard of a weight casts it with the same scale, and the
-histories are the same on every rank. MegatronOptimizer.step() calls it.
+histories are the same on every rank. MegatronOptimizer.step() calls it
+(the converter's post-step hook).
+
+`refresh_fp8_weight_scales(model)` recomputes the weight scales alone, after
+the weights changed outside a step (a load, a broadcast: the converter's hooks).
 
 Checkpoints keep the master weights (the weights' state-dict hook saves them
-as plain tensors); the only other fp8 state is the delayed-scaling history,
-the same on every rank: `fp8_state_dict(model)` returns it (empty for
-"tensorwise") and `load_fp8_state_dict(model, state)` restores it (None or
-{}: fresh histories) and recomputes the weight scales from the loaded
-weights. A checkpoint saved with fp8 thus loads without it and vice versa.
+as plain tensors) and the delayed-scaling histories, the same on every rank,
+as each linear's extra state (convert.Fp8Linear). `fp8_state_dict(model)`
+and `load_fp8_state_dict(model, state)` (None or {}: fresh histories; also
+recomputes the weight scales) read and write them as one dict by module
+name: the form common.pt held them in before they became module state.
 """
 
 from __future__ import annotations
@@ -110,6 +114,13 @@ def refresh_fp8_scales(models: Modules, group: Optional[dist.ProcessGroup] = Non
     _refresh(models, group, update_histories=True)
 
 
+def refresh_fp8_weight_scales(models: Modules, group: Optional[dist.ProcessGroup] = None) -> None:
+    """After the weights changed outside an optimizer step (a load, a broadcast):
+    recompute every fp8 weight's scale from its values, histories untouched.
+    Collective over `group` as refresh_fp8_scales; a no-op without fp8 training weights."""
+    _refresh(models, group, update_histories=False)
+
+
 def fp8_state_dict(models: Modules) -> dict:
     """The delayed-scaling histories by module name ({} under "tensorwise"):
     the same on every rank, so one rank's copy is the checkpoint's."""
@@ -136,4 +147,4 @@ def load_fp8_state_dict(models: Modules, state: Optional[dict], group: Optional[
             saved = state.get(f"{i}.{name}" if i else name, {})
             for role, history in linear.fp8_state.histories():
                 history.load_state_dict(saved.get(role, {}), device)
-    _refresh(models, group, update_histories=False)
+    refresh_fp8_weight_scales(models, group)

@@ -6,7 +6,8 @@ Layout, Megatron's names:
 
     <save>/latest_checkpointed_iteration.txt     the tracker, written last
     <save>/iter_0000100/                          one checkpoint
-        .metadata, __*_*.distcp                   DCP: model + optimizer, every rank its shards
+        .metadata, __*_*.distcp                   DCP: model (its modules' extra state too: fp8
+                                                  histories) + optimizer, every rank its shards
         common.pt                                 iteration, scheduler, loss scaler, layout, vocabulary,
                                                   extra state
         rng/rank_00003.pt                         each rank's RNG states
@@ -121,6 +122,7 @@ def _model_states(model) -> dict:
     """The states the model registered to travel with it (utils.register_checkpoint_state:
     the fp8 converter's histories, say), each under its name beside common.pt's own keys."""
     states = {name: state.state_dict() for name, state in checkpoint_states(model).items()}
+    states = {name: value for name, value in states.items() if value is not None}  # None: nothing to write
     clash = sorted(set(states) & set(_COMMON_KEYS))
     if clash:
         raise ValueError(f"checkpoint state registered as {clash} would overwrite common.pt's own entries")
