@@ -1,6 +1,7 @@
-"""megatron_fsdp.training.pretrain through examples/pretrain_gpt.py, as a user runs it:
-TensorBoard scalars with Megatron's names, TFLOP/s equal to Megatron's formula,
-and a resume at another data-parallel size that continues with the same samples."""
+"""megatron_fsdp.training.pretrain through examples/pretrain_gpt.py: TensorBoard scalars
+with Megatron's names, TFLOP/s equal to Megatron's formula, and a resume at another
+data-parallel size that continues with the same samples. The jobs run in the worker
+pool (tests/pretrain_in_pool.py); the errors a user sees, through torchrun."""
 
 import glob
 import importlib.util
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 from job_output import assert_one_line_error, error_lines
+from pretrain_in_pool import pretrain_gpt_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4", "--group-query-attention",
@@ -28,12 +30,17 @@ LINE = re.compile(r"iteration\s+(\d+)/\s+\d+ \| consumed samples:\s+(\d+) \| ela
 HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
-def _pretrain(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN, *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
-    return proc
+class _Job:
+    def __init__(self, stdout: str):
+        self.stdout = stdout
+
+
+def _pretrain(pools, nproc: int, *args: str) -> _Job:
+    """The job on `nproc` ranks of the worker pool; its stdout as torchrun shows it (every rank's)."""
+    outcomes = pools(nproc).run(pretrain_gpt_job, [*MODEL, *RUN, *args], timeout=400)
+    out = "".join(text for _, text in outcomes)
+    assert all(code == 0 for code, _ in outcomes), f"exit codes {[c for c, _ in outcomes]}\n{out[-3000:]}"
+    return _Job(out)
 
 
 def _flops_per_iteration(batch=8, s=16, layers=2, h=48, f=96, heads=4, groups=2, vocab=256):
@@ -45,19 +52,19 @@ def _flops_per_iteration(batch=8, s=16, layers=2, h=48, f=96, heads=4, groups=2,
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, pools):
     """4 ranks, TP=2 x FSDP=2, a checkpoint at iteration 3, TensorBoard when installed."""
     tmp = tmp_path_factory.mktemp("run")
     extra = ["--tensorboard-dir", str(tmp / "tb"), "--log-timers-to-tensorboard",
              "--log-validation-ppl-to-tensorboard"] if HAVE_TENSORBOARD else []
-    proc = _pretrain(4, "--tensor-model-parallel-size", "2", "--save", str(tmp / "ckpt"), "--save-interval", "3",
+    proc = _pretrain(pools, 4, "--tensor-model-parallel-size", "2", "--save", str(tmp / "ckpt"), "--save-interval", "3",
                      *extra)
     rows = {int(m[1]): m for m in map(LINE.search, proc.stdout.splitlines()) if m}
     assert sorted(rows) == [1, 2, 3, 4, 5, 6], proc.stdout[-3000:]
     return tmp, rows, proc.stdout
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # a pretrain() job in the worker pool
 def test_log_line_throughput_is_megatrons_formula(reference):
     _, rows, out = reference
     for iteration, m in rows.items():
@@ -71,7 +78,7 @@ def test_log_line_throughput_is_megatrons_formula(reference):
     assert "(after 1 iterations) memory (MB)" in out
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # a pretrain() job in the worker pool
 @pytest.mark.skipif(not HAVE_TENSORBOARD, reason="tensorboard is not installed (pip install tensorboard)")
 def test_tensorboard_gets_megatrons_scalars(reference):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -99,15 +106,15 @@ def test_tensorboard_gets_megatrons_scalars(reference):
     assert sorted(validation) == [3, 6] and ppl[3] == pytest.approx(math.exp(validation[3]), rel=1e-5)
 
 
-@pytest.mark.e2e
-def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference):
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference, pools):
     """Saved at iteration 3 by TP=2 x DP=2, resumed by TP=2 x DP=1 (twice the
     microbatches): iterations 4-6 see the same global batches, so the losses
     agree to reduction-order precision."""
     tmp, rows, _ = reference
     with open(tmp / "ckpt" / "latest_checkpointed_iteration.txt", "w") as f:
         f.write("3\n")  # as if the run had stopped after iteration 3
-    resumed = _pretrain(2, "--tensor-model-parallel-size", "2", "--load", str(tmp / "ckpt"),
+    resumed = _pretrain(pools, 2, "--tensor-model-parallel-size", "2", "--load", str(tmp / "ckpt"),
                         "--eval-iters", "0")
     out = resumed.stdout
     assert "loaded checkpoint" in out and "at iteration 3" in out
@@ -162,20 +169,20 @@ def test_a_changed_schedule_is_refused_before_any_shard_is_read(reference, tmp_p
     assert "--override-opt-param-scheduler" in error_lines(proc.stderr)[0][3]
 
 
-@pytest.mark.e2e
-def test_a_resume_at_another_tp_size_warns_once_that_the_padded_vocabulary_changed(reference, tmp_path):
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_a_resume_at_another_tp_size_warns_once_that_the_padded_vocabulary_changed(reference, tmp_path, pools):
     """Saved at TP=2 (vocabulary 64 padded to 256 rows), resumed at TP=1 (128 rows): the padding
     logits enter the softmax as in Megatron, so the loss moves; rank 0 says so, once, and how to
     keep the padding. With that flag the run continues with the saved run's losses."""
     ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
     _, rows, _ = reference
-    kept = _pretrain(2, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256", "--load", ckpt,
+    kept = _pretrain(pools, 2, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256", "--load", ckpt,
                      "--eval-iters", "0")
     assert "padded vocabulary" not in kept.stdout
     got = {int(m[1]): float(m[6]) for m in map(LINE.search, kept.stdout.splitlines()) if m}
     assert got == pytest.approx({i: float(rows[i][6]) for i in (4, 5, 6)}, rel=2e-5)
 
-    resumed = _pretrain(2, "--tensor-model-parallel-size", "1", "--load", ckpt, "--eval-iters", "0")
+    resumed = _pretrain(pools, 2, "--tensor-model-parallel-size", "1", "--load", ckpt, "--eval-iters", "0")
     warnings = [line for line in resumed.stdout.splitlines() if "padded vocabulary" in line]
     assert warnings == ["> WARNING: the padded vocabulary is 128 rows, the checkpoint's 256 (it is padded to a "
                         "multiple of --make-vocab-size-divisible-by x --tensor-model-parallel-size): the padding "
@@ -184,18 +191,18 @@ def test_a_resume_at_another_tp_size_warns_once_that_the_padded_vocabulary_chang
         resumed.stdout[-3000:]
 
 
-@pytest.mark.e2e
-def test_fp8_training_resumes_exactly(tmp_path):
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_fp8_training_resumes_exactly(tmp_path, pools):
     """--fp8-format with delayed scaling and fp8 all-gather: a run resumed
     from its iteration-2 checkpoint (amax histories restored, weight scales
     recomputed from the loaded weights) repeats the uninterrupted losses."""
     fp8 = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
            "--fp8-param-gather", "--train-iters", "4", "--eval-iters", "0"]
     ckpt = str(tmp_path / "ckpt")
-    first = _pretrain(2, *fp8, "--save", ckpt, "--save-interval", "2")
+    first = _pretrain(pools, 2, *fp8, "--save", ckpt, "--save-interval", "2")
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("2\n")
-    resumed = _pretrain(2, *fp8, "--load", ckpt)
+    resumed = _pretrain(pools, 2, *fp8, "--load", ckpt)
     losses = [{int(m[1]): m[6] for m in map(LINE.search, proc.stdout.splitlines()) if m} for proc in (first, resumed)]
     assert sorted(losses[0]) == [1, 2, 3, 4] and sorted(losses[1]) == [3, 4]
     assert losses[1] == {k: v for k, v in losses[0].items() if k > 2}
