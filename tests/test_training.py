@@ -208,6 +208,25 @@ def test_fp8_training_resumes_exactly(tmp_path, pools):
     assert losses[1] == {k: v for k, v in losses[0].items() if k > 2}
 
 
+@pytest.mark.slow  # two pretrain() jobs in the worker pool
+def test_replicated_and_sharded_runs_differ_only_by_sharding(pools):
+    """Without --use-torch-fsdp2 the model is replicated through the same wrapper (FSDP2 with a
+    shard size of 1) and the same bf16 mixed-precision policy: the losses are the sharded run's
+    up to the order of the gradient reductions."""
+    runs = {}
+    for name, flags in (("replicated", []), ("sharded", ["--use-torch-fsdp2"])):
+        argv = [*MODEL, *[f for f in RUN if f != "--use-torch-fsdp2"], "--tensor-model-parallel-size", "2",
+                "--bf16", "--eval-iters", "0", *flags]
+        outcomes = pools(4).run(pretrain_gpt_job, argv, timeout=400)
+        assert all(code == 0 for code, _ in outcomes), outcomes[0][1][-3000:]
+        out = "".join(text for _, text in outcomes)
+        word = "sharded over" if flags else "replicated on"
+        assert f"> data parallel: FSDP2, parameters {word} 2 rank(s)" in out, out[-3000:]
+        runs[name] = {int(m[1]): float(m[6]) for m in map(LINE.search, out.splitlines()) if m}
+    assert sorted(runs["replicated"]) == [1, 2, 3, 4, 5, 6]
+    assert runs["replicated"] == pytest.approx(runs["sharded"], rel=1e-4)
+
+
 @pytest.mark.e2e
 def test_token_ids_beyond_the_vocabulary_stop_every_rank_before_training(tmp_path):
     """Data tokenized with a larger vocabulary than --vocab-size: one clear error naming the

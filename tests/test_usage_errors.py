@@ -76,7 +76,12 @@ def test_every_config_is_built_once_right_after_parsing():
     from megatron_fsdp.transformer import TransformerConfig
 
     replicated = _parse("--bf16", "--lr", "3e-4", "--clip-grad", "0.5").configs
-    assert replicated.ddp is None and isinstance(replicated.model, TransformerConfig) and replicated.model.bf16
+    assert isinstance(replicated.model, TransformerConfig) and replicated.model.bf16
+    # Without --use-torch-fsdp2 the same wrapper replicates: a distributed-optimizer instance per
+    # data-parallel rank (4), so the shard size is 1; the same fp32 reduction.
+    assert isinstance(replicated.ddp, TorchFullyShardedDataParallelConfig)
+    assert (replicated.ddp.num_distributed_optimizer_instances, replicated.ddp.reshard_after_forward,
+            replicated.ddp.grad_reduce_in_fp32, replicated.ddp.fsdp_copy_kernels) == (4, False, True, False)
     assert isinstance(replicated.optimizer, OptimizerConfig)
     assert (replicated.optimizer.lr, replicated.optimizer.clip_grad, replicated.optimizer.bf16) == (3e-4, 0.5, True)
     assert replicated.scheduler["max_lr"] == 3e-4 and replicated.scheduler["lr_decay_steps"] == 4 * 8

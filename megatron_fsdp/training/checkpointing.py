@@ -88,6 +88,14 @@ def _layout() -> dict:
     }
 
 
+def _same_ranks(saved: dict, now: dict) -> bool:
+    """Each rank's RNG states belong to the same rank of the same layout: world,
+    tensor, data and context parallel sizes (not the distributed-optimizer
+    instances: a replicated run has one per rank, a sharded one its own count)."""
+    keys = ("world_size", "tensor_model_parallel_size", "data_parallel_size", "context_parallel_size")
+    return all(saved.get(k, 1 if k == "context_parallel_size" else None) == now.get(k, 1) for k in keys)
+
+
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "torch_cpu": torch.get_rng_state(),
              "tracker": tp_random.get_cuda_rng_tracker().get_states()}
@@ -432,7 +440,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
         scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
         state, rows = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
                                              common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
-        restore_rng = load_rng and common["layout"] == _layout()
+        restore_rng = load_rng and _same_ranks(common["layout"], _layout())
         if restore_rng and not os.path.isfile(rng_path):
             raise CheckpointError(f"checkpoint {path} has no RNG state for rank {get_rank_safe()}: load it with "
                                   "load_rng=False (--no-load-rng)")

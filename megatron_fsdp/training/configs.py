@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 import torch.nn.functional as F
 
@@ -27,7 +26,7 @@ class TrainingConfigs:
     """Everything the flags configure, built once (`args.configs`)."""
 
     model: TransformerConfig  # what core_transformer_config_from_args builds: Megatron's model provider does too
-    ddp: Optional[TorchFullyShardedDataParallelConfig]  # None without --use-torch-fsdp2 (replicated model)
+    ddp: TorchFullyShardedDataParallelConfig  # sharded with --use-torch-fsdp2, else replicated (shard size 1)
     optimizer: OptimizerConfig
     scheduler: dict  # OptimizerParamScheduler's keyword arguments, less the optimizer (counted in samples)
 
@@ -64,10 +63,20 @@ def core_transformer_config_from_args(args, config_class=None):
     return (config_class or TransformerConfig)(**fields)
 
 
-def ddp_config_from_args(args) -> Optional[TorchFullyShardedDataParallelConfig]:
-    """The FSDP wrapper's config (None without --use-torch-fsdp2)."""
+def ddp_config_from_args(args) -> TorchFullyShardedDataParallelConfig:
+    """The data-parallel wrapper's config. Every run goes through
+    TorchFullyShardedDataParallel: --use-torch-fsdp2 shards the model over the
+    data-parallel ranks; without it the model is replicated, as Megatron's DDP
+    does: FSDP2 on a (replicate, shard) mesh whose shard size is 1, each rank a
+    distributed-optimizer instance of its own. Gradients are then all-reduced
+    and the mixed-precision policy is the same as when sharded, so the two runs
+    differ only by sharding."""
     if not args.use_torch_fsdp2:
-        return None
+        return TorchFullyShardedDataParallelConfig(
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            num_distributed_optimizer_instances=args.data_parallel_size,
+            # Nothing to gather back with a shard of size 1: keep the compute-dtype copy.
+            reshard_after_forward=False)
     return TorchFullyShardedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,

@@ -174,7 +174,8 @@ def initialize_megatron(args) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
+        # The wrapper's (training/configs.py): the flag's value, or every rank one when replicated.
+        num_distributed_optimizer_instances=args.configs.ddp.num_distributed_optimizer_instances)
     set_random_seed(args.seed)
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(dist.get_rank(), args.rampup_batch_size, args.global_batch_size,

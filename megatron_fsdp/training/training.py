@@ -5,8 +5,9 @@
 runs, in order: flags (training/arguments.py) -> process group, model-parallel
 groups, seeds, microbatch calculator (training/initialize.py) -> tokenizer ->
 model from `model_provider(pre_process, post_process)`, wrapped in
-TorchFullyShardedDataParallel with --use-torch-fsdp2 (else replicated, its
-gradients averaged by finalize_model_grads) -> optimizer and learning-rate
+TorchFullyShardedDataParallel (sharded with --use-torch-fsdp2, else
+replicated: FSDP2 with a shard size of 1; one mixed-precision policy either
+way, training/configs.py) -> optimizer and learning-rate
 schedule -> --load -> data iterators -> the training loop -> validation and
 test at the end.
 
@@ -28,7 +29,6 @@ an error after it is one line for the whole job and exit code 1
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from typing import Optional
 
@@ -121,9 +121,6 @@ def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_f
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args=args,
                                                                       true_vocab_size=true_vocab_size, beacon=beacon)
     config = get_model_config(model[0])
-    if (args.bf16 or args.fp16) and not args.use_torch_fsdp2:
-        # Replicated fp32 weights: the forward runs under autocast instead of FSDP's mixed precision.
-        forward_step_func = _autocast(forward_step_func, torch.float16 if args.fp16 else torch.bfloat16)
     beacon.mark("data loaders")
     train_iterator, valid_iterator, test_iterator = build_train_valid_test_data_iterators(dataset_provider, args)
     logger = TrainingLogger(args, build_tensorboard_writer(args), build_wandb_writer(args))
@@ -153,33 +150,29 @@ def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_f
         logger.close()
 
 
-def _autocast(forward_step_func, dtype):
-    @functools.wraps(forward_step_func)
-    def forward_step(*args, **kwargs):
-        with torch.autocast(parallel_state.get_device_type(), dtype=dtype):
-            return forward_step_func(*args, **kwargs)
-    return forward_step
-
-
 # ---------------------------------------------------------------------- model and optimizer
 
 
 def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap_with_ddp: bool = True, *, args=None):
     """[model]: built by `model_provider_func(pre_process=True, post_process=True)`
-    and, with --use-torch-fsdp2, sharded by TorchFullyShardedDataParallel."""
+    and wrapped in TorchFullyShardedDataParallel: sharded with --use-torch-fsdp2,
+    else replicated (args.configs.ddp says which). `wrap_with_ddp=False` returns
+    the bare model (converted to fp8 when its config asks)."""
     args = args or get_args()
     model = model_provider_func(pre_process=True, post_process=True)
     count = sum(local_tensor(p).numel() for p in model.parameters())
     if parallel_state.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank "
               f"({parallel_state.get_tensor_model_parallel_rank()}, 0): {count}", flush=True)
-    if wrap_with_ddp and args.configs.ddp is not None:
+    if wrap_with_ddp:
         model = TorchFullyShardedDataParallel(get_model_config(model), args.configs.ddp, model)
+        print_rank_0(f"> data parallel: FSDP2, parameters {'sharded over' if args.use_torch_fsdp2 else 'replicated on'} "
+                     f"{parallel_state.get_data_parallel_world_size()} rank(s)")
         print_rank_0("> FSDP2 copy ops: " + ("megatron_fsdp's kernels" if model.fsdp_copy_kernels_active else
                                             "torch's" + (" (megatron_fsdp's kernels unavailable: warned above)"
                                                          if args.configs.ddp.fsdp_copy_kernels else "")))
     elif getattr(get_model_config(model), "fp8", None) is not None:
-        convert_to_fp8(model)  # replicated: the wrapper's plan does this under --use-torch-fsdp2
+        convert_to_fp8(model)  # the wrapper's plan does this when wrapped
     return [model]
 
 
