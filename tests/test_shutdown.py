@@ -57,13 +57,15 @@ def test_after_destroying_the_group_the_ranks_meet_on_the_store(monkeypatch):
 
     store = dist.HashStore()
     done = []
-    ranks = [threading.Thread(target=lambda: done.append(initialize._wait_until_every_rank_destroyed(store, 2, "a")))
-             for _ in range(2)]
+    ranks = [threading.Thread(target=lambda host=host: done.append(
+        initialize._wait_until_every_rank_destroyed(store, 2, "a", last_to_leave=host))) for host in (True, False)]
     for t in ranks:
         t.start()
     for t in ranks:
         t.join(timeout=5)
     assert len(done) == 2  # both left once both had arrived
+    # The store's host (rank 0 without torchrun's agent) leaves only after every rank said it leaves.
+    assert store.add("a/left", 0) == 2
     # A peer that never comes ends the wait after the bound, not the job; a missing store, at once.
     monkeypatch.setattr(initialize, "_DESTROY_WAIT_S", 0.2)
     start = time.monotonic()

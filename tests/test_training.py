@@ -209,14 +209,15 @@ def test_fp8_training_resumes_exactly(tmp_path, pools):
 
 
 @pytest.mark.slow  # two pretrain() jobs in the worker pool
-def test_replicated_and_sharded_runs_differ_only_by_sharding(pools):
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]], ids=["bf16", "fp16"])
+def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision):
     """Without --use-torch-fsdp2 the model is replicated through the same wrapper (FSDP2 with a
-    shard size of 1) and the same bf16 mixed-precision policy: the losses are the sharded run's
-    up to the order of the gradient reductions."""
+    shard size of 1) and the same mixed-precision policy (fp16: and the same loss scaler): the
+    losses are the sharded run's up to the order of the gradient reductions."""
     runs = {}
     for name, flags in (("replicated", []), ("sharded", ["--use-torch-fsdp2"])):
         argv = [*MODEL, *[f for f in RUN if f != "--use-torch-fsdp2"], "--tensor-model-parallel-size", "2",
-                "--bf16", "--eval-iters", "0", *flags]
+                *precision, "--eval-iters", "0", *flags]
         outcomes = pools(4).run(pretrain_gpt_job, argv, timeout=400)
         assert all(code == 0 for code, _ in outcomes), outcomes[0][1][-3000:]
         out = "".join(text for _, text in outcomes)

@@ -68,37 +68,48 @@ def shutdown_distributed(*, failed: bool = False, timeout: timedelta = DEFAULT_S
             f"{timeout.total_seconds():.0f} s ({type(exc).__name__}: {exc}); a peer has probably failed, "
             "see its error") from exc
     parallel_state.destroy_model_parallel()
-    store, world = _torch_compat.default_store(), dist.get_world_size()
+    store, world, rank = _torch_compat.default_store(), dist.get_world_size(), dist.get_rank()
     dist.destroy_process_group()
     global _SHUTDOWNS
     _SHUTDOWNS += 1
     # (A restarted torchrun worker group shares the agent's store: its attempt is part of the name.)
     _wait_until_every_rank_destroyed(
-        store, world, f"megatron_fsdp/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SHUTDOWNS}")
+        store, world, f"megatron_fsdp/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SHUTDOWNS}",
+        last_to_leave=rank == 0)
 
 
 _SHUTDOWNS = 0  # this process's shutdowns so far: every rank counts alike, so it names this one
 _DESTROY_WAIT_S = 10.0
 
 
-def _wait_until_every_rank_destroyed(store, world: int, key: str) -> None:
+def _wait_until_every_rank_destroyed(store, world: int, key: str, last_to_leave: bool = False) -> None:
     """A process that exits while a peer is still inside destroy_process_group
     can abort in its interpreter's teardown ("terminate called without an
     active exception": seen with gloo after the barrier too, once in a CI run
-    of some thirty torchrun jobs): meet once more on the rendezvous store, which outlives the group
-    (torchrun's agent hosts it). Best effort: a store that is gone or a peer
-    that never comes ends the wait, never the job."""
+    of some thirty torchrun jobs): meet once more on the rendezvous store, which outlives the group.
+    torchrun's agent hosts that store; a job started without it (MASTER_ADDR and
+    MASTER_PORT, RANK 0 hosting) loses the store when rank 0 exits, and a peer
+    still asking it would print a C++ connection warning: so every rank says it
+    is leaving and `last_to_leave` (rank 0) waits for all of them. Best effort:
+    a store that is gone or a peer that never comes ends the wait, never the job."""
     if store is None or world < 2:
         return
     deadline = time.monotonic() + _DESTROY_WAIT_S
-    try:
-        arrived = store.add(key, 1)
+
+    def meet(name: str) -> None:
+        arrived = store.add(name, 1)
         while arrived < world and time.monotonic() < deadline:
             time.sleep(0.005)
-            arrived = store.add(key, 0)
+            arrived = store.add(name, 0)
+
+    try:
+        meet(key)
+        if last_to_leave:
+            meet(f"{key}/left")
+        else:
+            store.add(f"{key}/left", 1)
     except Exception:  # (the store's server went away with its process: nothing left to wait for)
         return
-
 
 class distributed_job:
     """`with distributed_job(): ...` around everything after `init_process_group`:
