@@ -1,13 +1,16 @@
-"""What load_checkpoint checks before it reads a shard (the learning-rate schedule), and
-what it reports about the vocabulary padding (2 ranks, gloo)."""
+"""What load_checkpoint checks before it reads a shard (the learning-rate schedule), what
+it reports about the vocabulary padding, and optimizer state across another grouping of
+the parameters (2 ranks, gloo)."""
 
 import glob
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from helpers import make_config, setup_parallel
+from helpers import assert_close_dicts, full_params, full_tensor, make_config, setup_parallel
+from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.optimizer_param_scheduler import OptimizerParamScheduler
@@ -76,3 +79,44 @@ def test_load_reports_a_different_vocabulary_padding(pools, tmp_path):
     pools(2).run(_case_save, ckpt, 2, 128)
     assert pools(2).run(_case_load, ckpt, 1, 104) == [(128, 104)] * 2
     assert pools(2).run(_case_load, ckpt, 2, 128) == [None] * 2
+
+
+def _adam_states(model, optimizer) -> dict:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    module = getattr(model, "module", model)
+    return {f"{name}.{key}": full_tensor(inner.state[p][key]).clone() for name, p in module.named_parameters()
+            for key in ("exp_avg", "exp_avg_sq")}
+
+
+def _case_bare_checkpoint_into_the_wrapper(ckpt: str):
+    # Saved by a bare TP=2 model (the replicated runs before they were wrapped): its plain
+    # and DTensor parameters sit in optimizer groups of their own, the wrapper's do not.
+    setup_parallel(2, num_distributed_optimizer_instances=2)  # TP=2 x DP=2, replicated as pretrain() does
+    cfg = make_config(bf16=True)
+    bare = GPTModel(cfg, vocab_size=128, max_sequence_length=16)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), bare)
+    for p in bare.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    optimizer.step()
+    save_checkpoint(1, bare, optimizer, None, ckpt)
+    expected = _adam_states(bare, optimizer)
+    wrapped = TorchFullyShardedDataParallel(
+        cfg, TorchFullyShardedDataParallelConfig(num_distributed_optimizer_instances=2, grad_reduce_in_fp32=True,
+                                                 reshard_after_forward=False),
+        GPTModel(cfg, vocab_size=128, max_sequence_length=16))
+    loaded_optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), wrapped)
+    assert len(loaded_optimizer.param_groups) != len(optimizer.param_groups)
+    load_checkpoint(wrapped, loaded_optimizer, None, ckpt)
+    assert_close_dicts(full_params(wrapped.module), full_params(bare), "weights", rtol=0, atol=0)
+    assert_close_dicts(_adam_states(wrapped, loaded_optimizer), expected, "Adam moments", rtol=0, atol=0)
+    # The groups and their settings are the loading run's own, and it steps.
+    fresh = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True), wrapped).param_groups
+    assert [{k: v for k, v in g.items() if k != "params"} for g in loaded_optimizer.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in fresh]
+    for p in wrapped.parameters():
+        p.grad = torch.zeros_like(p)
+    assert loaded_optimizer.step()[0]
+
+
+def test_a_checkpoint_grouped_otherwise_loads_its_optimizer_state_by_name(pools, tmp_path):
+    pools(4).run(_case_bare_checkpoint_into_the_wrapper, str(tmp_path / "ckpt"))

@@ -65,17 +65,26 @@ def read_metadata(path: str) -> dict:
 
 
 def prepare_load(path: str, model: nn.Module, optimizer, saved: dict, saved_vocab: Optional[int],
-                 true_vocab_size: Optional[int]) -> tuple[dict, dict]:
-    """The state to load into and the tensors to read partially (vocabulary
-    rows across padding); raises CheckpointError when the checkpoint does not fit."""
+                 true_vocab_size: Optional[int]) -> tuple[dict, dict, dict]:
+    """The state to load into, the tensors to read partially (vocabulary rows
+    across padding) and what this run keeps of its own instead of reading it;
+    raises CheckpointError when the checkpoint does not fit."""
     state = sharded_state(model, optimizer, main_params=any(k.startswith("main_params.") for k in saved))
+    kept = {}
     # Module extra state (fp8 scaling histories) that the checkpoint lacks (saved
     # without it, or before it was module state) is not read: the module keeps its own.
     for key in [k for k in state["model"] if k.endswith(EXTRA_STATE_SUFFIX) and f"model.{k}" not in saved]:
         del state["model"][key]
+    if "optimizer" in state:
+        saved_groups = {k.split(".")[2] for k in saved if k.startswith("optimizer.param_groups.")}
+        if len(saved_groups) != len(state["optimizer"]["param_groups"]):
+            # Grouped otherwise (a replicated model saved before it was wrapped kept its plain
+            # and DTensor parameters in groups of their own): the per-parameter state loads by
+            # name, the groups and their settings are this run's (the scheduler restores lr and wd).
+            kept["param_groups"] = state["optimizer"].pop("param_groups")
     rows = vocab_padding.plan_rows(path, saved, state, vocab_padding.vocab_param_names(unwrap_model(model)),
                                    saved_vocab, true_vocab_size)
-    return state, rows
+    return state, rows, kept
 
 
 def _extra_state_keys(model: nn.Module) -> list[str]:
@@ -83,8 +92,10 @@ def _extra_state_keys(model: nn.Module) -> list[str]:
             if type(m).get_extra_state is not nn.Module.get_extra_state]
 
 
-def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict) -> None:
-    """Read the shards into `state` (collective), then into the model and optimizer."""
+def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict, kept: Optional[dict] = None) -> None:
+    """Read the shards into `state` (collective), then into the model and
+    optimizer, with what prepare_load `kept` of this run's own."""
+    kept = kept or {}
     if rows:
         vocab_padding.zero_fill(state, vocab_padding.vocab_param_names(unwrap_model(model)), rows)
     try:
@@ -99,5 +110,7 @@ def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict
     if optimizer is not None and "main_params" not in state and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()
     if "optimizer" in state:
+        if "param_groups" in kept:
+            state["optimizer"]["param_groups"] = kept["param_groups"]
         set_optimizer_state_dict(_optimizer_owner(inner, optimizer), _inner_optimizer(optimizer),
                                  state["optimizer"])

@@ -438,7 +438,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(get_rank_safe()))
     try:
         scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
-        state, rows = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
+        state, rows, kept = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
                                              common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
         restore_rng = load_rng and _same_ranks(common["layout"], _layout())
         if restore_rng and not os.path.isfile(rng_path):
@@ -449,7 +449,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
 
     padded = _padded_vocab_sizes(model, saved, state)
-    torch_dcp.load_sharded(path, model, optimizer, state, rows)
+    torch_dcp.load_sharded(path, model, optimizer, state, rows, kept)
     for name, model_state in checkpoint_states(model).items():
         model_state.load_state_dict(common.get(name))  # every rank (it may communicate)
     if load_optim and opt_param_scheduler is not None:
