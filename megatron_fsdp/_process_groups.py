@@ -156,6 +156,8 @@ def build_meshes(device_type: str, shape: tuple[int, ...],
     if _MESH_CACHE_OWNER is not default_group:
         _MESH_CACHE.clear()  # meshes of an earlier, destroyed default group
         _GLOO_CACHE.clear()
+        if _MESH_CACHE_OWNER is not None:  # and DTensor's specs that may still name them
+            _torch_compat.clear_dtensor_sharding_caches()
         _MESH_CACHE_OWNER = default_group
     key = (device_type, shape, names)
     if key in _MESH_CACHE:

@@ -50,6 +50,7 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_param:ShardedState.SHARDED": ALL,
     "torch.distributed.checkpoint.planner_helpers:_create_chunk_list": ALL,
     "torch.distributed.checkpoint.state_dict:_EXTRA_STATE": ALL,
+    "torch.distributed.tensor.debug:_clear_sharding_prop_cache": ALL,
     "torch:Tensor._make_wrapper_subclass": ALL,
     "torch._C:_disabled_torch_function_impl": ALL,
     "torch.utils._pytree:tree_map_only": ALL,
@@ -147,6 +148,17 @@ def flatten_mesh(mesh, name: str):
     """One 1-D mesh over all dims of `mesh` (a slice of a root mesh), registered
     under `name` in the root (`DeviceMesh._flatten`; same signature 2.11-2.14)."""
     return mesh._flatten(name)
+
+
+def clear_dtensor_sharding_caches() -> None:
+    """`tensor.debug._clear_sharding_prop_cache`: DTensor caches sharding
+    propagation by op schema, and DeviceMesh equality ignores process groups,
+    so after a new default group (destroy and init again in one process) a
+    cache hit can hand back a spec whose mesh holds the destroyed world's
+    groups ("Could not resolve the process group registered under the name N")."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

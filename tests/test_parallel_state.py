@@ -279,6 +279,31 @@ def test_destroy_then_initialize_again(pools):
     pools(WORLD).run(_case_reinitialize)
 
 
+def _case_new_world_clears_dtensor_caches() -> int:
+    # DTensor caches sharding propagation by op schema and DeviceMesh equality ignores process
+    # groups: meshes of a new default group (destroy and init again in one process, as the
+    # worker pool's pretrain() jobs do) must not meet specs that name the old world's groups.
+    calls = []
+    real = process_groups._torch_compat.clear_dtensor_sharding_caches
+    process_groups._torch_compat.clear_dtensor_sharding_caches = lambda: calls.append(1) or real()
+    try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)  # the same world: cached, nothing cleared
+        ps.destroy_model_parallel()
+        before = len(calls)
+        process_groups._MESH_CACHE_OWNER = object()  # as after a destroyed and re-created default group
+        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+        ps.destroy_model_parallel()
+    finally:
+        process_groups._torch_compat.clear_dtensor_sharding_caches = real
+    return len(calls) - before
+
+
+def test_a_new_default_group_clears_dtensor_sharding_caches(pools):
+    assert pools(WORLD).run(_case_new_world_clears_dtensor_caches) == [1] * WORLD
+
+
 # ------------------------------------------------------------------- errors
 
 
