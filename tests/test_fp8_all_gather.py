@@ -206,14 +206,17 @@ def test_fp8_all_gather_moves_half_the_bytes_of_bf16(pools, bias):
 
 
 def _case_meta_device(layout):
-    eager, mesh = _build(layout)
-    expected = {k: full_tensor(v.detach()).clone() for k, v in eager.state_dict().items() if k.endswith("weight")}
-    net, mesh = _build(layout, meta=True)  # the same seed again
+    # The reference: the same net built on meta without fp8 weights, initialized from the same seed.
+    plain, mesh = _build(layout, meta=True)
+    _shard(plain, mesh)
+    plain.to_empty(device="cpu")
+    initialize_parameters(plain, seed=SEED)
+    expected = _full_masters(plain)
+    net, mesh = _build(layout, meta=True)
     assert convert_to_fp8_weights(net) == 2 and net.col.weight.is_meta
     _shard(net, mesh)
     net.to_empty(device="cpu")
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    initialize_parameters(net)
+    initialize_parameters(net, seed=SEED)
     refresh_fp8_scales(net)
     assert is_fp8_training_weight(net.col.weight) and is_fp8_training_weight(net.row.weight)
     masters = _full_masters(net)

@@ -1,6 +1,7 @@
 """TorchFullyShardedDataParallel against a dense single-process reference."""
 
 import contextlib
+import math
 import re
 
 import pytest
@@ -16,6 +17,8 @@ from megatron_fsdp.distributed import (
     TorchFullyShardedDataParallel,
     TorchFullyShardedDataParallelConfig,
 )
+import megatron_fsdp.initialization as init_module
+from megatron_fsdp.initialization import initialize_parameters
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.utils import register_weights_changed_hook
 
@@ -178,18 +181,45 @@ def test_broadcast_params_aligns_hsdp_replicas(pools):
 
 def _case_meta_device_init(layout, model_name):
     _, tp, ps_kwargs, ddp_kwargs, wrapper_kwargs = LAYOUTS[layout]
-    *_, normal = _build(tp, model_name, ps_kwargs, ddp_kwargs, wrapper_kwargs)
-    expected = full_params(normal.module)
-    parallel_state.destroy_model_parallel()
-    *_, materialized = _build(tp, model_name, ps_kwargs, ddp_kwargs, wrapper_kwargs, meta=True)
+    # The same full weights however the model is laid out: sharded over this layout, or one
+    # whole copy per rank (TP=1, no wrapper), from the same seed (setup_parallel seeds torch's
+    # generator, initialize_parameters takes its seed from it); each rank drew only its part.
+    drawn, whole_tensor_draw = [], init_module.init_full_tensor
+    init_module.init_full_tensor = lambda shape, *args: drawn.append(shape) or whole_tensor_draw(shape, *args)
+    try:
+        *_, materialized = _build(tp, model_name, ps_kwargs, ddp_kwargs, wrapper_kwargs, meta=True)
+    finally:
+        init_module.init_full_tensor = whole_tensor_draw
+    assert not drawn, f"full tensors drawn: {drawn}"  # Megatron's init methods: each rank its slice only
     assert all(p.device.type == "cpu" for p in materialized.parameters())
-    assert_close_dicts(full_params(materialized.module), expected, "meta-initialized weight", rtol=0, atol=0)
+    sharded = full_params(materialized.module)
+    parallel_state.destroy_model_parallel()
+    setup_parallel(1)
+    cfg_kwargs, model_kwargs = MODELS[model_name]
+    with torch.device("meta"):
+        whole = GPTModel(make_config(**cfg_kwargs),
+                         **dict(dict(vocab_size=64, max_sequence_length=SEQ), **model_kwargs))
+    whole.to_empty(device="cpu")
+    initialize_parameters(whole)  # the seed: one draw from the generator setup_parallel seeded
+    assert_close_dicts(sharded, full_params(whole), "meta-initialized weight", rtol=0, atol=0)
+    # Megatron's distributions: N(0, init_method_std) weights (the output projections scaled
+    # by 1/sqrt(2 num_layers)), unit norm weights, zero biases.
+    cfg = make_config(**cfg_kwargs)
+    for name, value in sharded.items():
+        if name.endswith(".bias"):
+            assert not value.any(), name
+        elif "layernorm" in name:
+            assert torch.equal(value, torch.ones_like(value)), name
+        elif value.numel() > 1000:
+            std = cfg.init_method_std / (math.sqrt(2 * cfg.num_layers) if name.endswith(("linear_proj.weight",
+                                                                                          "linear_fc2.weight")) else 1)
+            assert abs(float(value.std()) / std - 1) < 0.05 and abs(float(value.mean())) < 0.1 * std, name
     parallel_state.destroy_model_parallel()
     _case_training_parity(layout, model_name, meta=True)
 
 
 @pytest.mark.parametrize("layout,model_name", [("dp4_zero3", "tied_rope"), ("tp2_dp2_sequence_parallel", "uneven")])
-def test_meta_device_init_gives_normal_weights(pools, layout, model_name):
+def test_meta_device_init_is_the_same_at_every_layout(pools, layout, model_name):
     pools(4).run(_case_meta_device_init, layout, model_name)
 
 

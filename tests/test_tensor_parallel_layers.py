@@ -591,3 +591,33 @@ def _case_unsupported_options() -> None:
 def test_unsupported_constructor_options_raise(pools):
     pools(WORLD).run(_case_unsupported_options)
 
+
+
+def _case_reset_parameters() -> None:
+    # Each layer's own reset_parameters() draws its values again as its build did.
+    from megatron_fsdp.transformer.norms import LayerNorm
+
+    setup_parallel(2)
+    cfg = make_config(add_bias_linear=True)
+    builds = {
+        "column": lambda: ColumnParallelLinear(32, 48, config=cfg, init_method=init_method_normal(0.02), bias=True),
+        "row": lambda: RowParallelLinear(48, 32, config=cfg, init_method=init_method_normal(0.02), bias=True,
+                                         skip_bias_add=False, input_is_parallel=True),
+        "embedding": lambda: VocabParallelEmbedding(64, 32, init_method=init_method_normal(0.02), config=cfg),
+        "norm": lambda: LayerNorm(cfg, 32),
+    }
+    for name, build in builds.items():
+        torch.manual_seed(5)
+        layer = build()
+        built = {k: full_tensor(v).clone() for k, v in layer.named_parameters()}
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.to_local().fill_(7.0) if isinstance(p, DTensor) else p.fill_(7.0)
+        torch.manual_seed(5)
+        layer.reset_parameters()
+        for k, v in layer.named_parameters():
+            assert torch.equal(full_tensor(v), built[k]), f"{name}.{k}"
+
+
+def test_each_layer_resets_its_own_parameters(pools):
+    pools(2).run(_case_reset_parameters)

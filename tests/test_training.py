@@ -176,8 +176,8 @@ def test_a_resume_at_another_tp_size_warns_once_that_the_padded_vocabulary_chang
     keep the padding. With that flag the run continues with the saved run's losses."""
     ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
     _, rows, _ = reference
-    kept = _pretrain(pools, 2, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256", "--load", ckpt,
-                     "--eval-iters", "0")
+    kept = _pretrain(pools, 2, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256",
+                     "--load", ckpt, "--eval-iters", "0")
     assert "padded vocabulary" not in kept.stdout
     got = {int(m[1]): float(m[6]) for m in map(LINE.search, kept.stdout.splitlines()) if m}
     assert got == pytest.approx({i: float(rows[i][6]) for i in (4, 5, 6)}, rel=2e-5)

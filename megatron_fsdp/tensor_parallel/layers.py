@@ -119,6 +119,13 @@ class ColumnParallelLinear(_LocalMatmul, nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def reset_parameters(self) -> None:
+        """Draw this layer's initial values again, as its build does (each rank keeps its part).
+        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
+        from ..initialization import reset_recorded_parameters
+
+        reset_recorded_parameters(self)
+
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
         """Returns (output, bias): bias is None unless skip_bias_add."""
@@ -204,6 +211,13 @@ class RowParallelLinear(_LocalMatmul, nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def reset_parameters(self) -> None:
+        """Draw this layer's initial values again, as its build does (each rank keeps its part).
+        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
+        from ..initialization import reset_recorded_parameters
+
+        reset_recorded_parameters(self)
+
     def forward(self, input_: torch.Tensor):
         """Returns (output, bias): bias is None unless skip_bias_add."""
         if self.input_is_parallel:
@@ -256,6 +270,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = make_tp_parameter(
             init_full_tensor((num_embeddings, embedding_dim), init_method, config), 0, config)
         record_init(self, "weight", init_method, config)
+
+    def reset_parameters(self) -> None:
+        """Draw this layer's initial values again, as its build does (each rank keeps its part).
+        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
+        from ..initialization import reset_recorded_parameters
+
+        reset_recorded_parameters(self)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """[b, s] ids -> [b, s, h], or [s/tp, b, h] with reduce_scatter_embeddings."""

@@ -56,16 +56,22 @@ def constant_init(value: float) -> Callable:
         return torch.nn.init.constant_(tensor, value)
 
     init_.ignores_perform_initialization = True
+    init_.constant = value  # (megatron_fsdp.initialization fills a shard in place)
     return init_
 
 
 def record_init(module: torch.nn.Module, name: str, init_method: Optional[Callable], config) -> None:
-    """Remember how `module.<name>` gets its initial value, so that a model
-    built on the meta device can be initialized later with exactly the values
-    a normal build draws (see megatron_fsdp.initialization)."""
+    """Declare how `module.<name>` starts (`init_method` and the config's
+    perform_initialization): the module's reset_parameters() and
+    megatron_fsdp.initialization (a meta-device model) initialize it from this."""
     if "_megatron_param_init" not in module.__dict__:
         module._megatron_param_init = {}
     module._megatron_param_init[name] = (init_method, config)
+
+
+def recorded_inits(module: torch.nn.Module) -> dict:
+    """name -> (init_method, config) that `module` declared for its own parameters (record_init)."""
+    return module.__dict__.get("_megatron_param_init", {})
 
 
 # Megatron's per-parameter record of how tensor parallelism splits it (the

@@ -34,6 +34,13 @@ class _Norm(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def reset_parameters(self) -> None:
+        """Draw this layer's initial values again, as its build does (each rank keeps its part).
+        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
+        from ..initialization import reset_recorded_parameters
+
+        reset_recorded_parameters(self)
+
     def _param(self, p):
         if p is None:
             return None

@@ -15,6 +15,7 @@ def init_method_normal(sigma: float):
     def init_(tensor: torch.Tensor) -> torch.Tensor:
         return torch.nn.init.normal_(tensor, mean=0.0, std=sigma)
 
+    init_.normal_std = sigma  # (a meta-device model draws each rank's slice: megatron_fsdp.initialization)
     return init_
 
 
@@ -25,6 +26,7 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     def init_(tensor: torch.Tensor) -> torch.Tensor:
         return torch.nn.init.normal_(tensor, mean=0.0, std=std)
 
+    init_.normal_std = std
     return init_
 
 
