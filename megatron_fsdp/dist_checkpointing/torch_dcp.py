@@ -92,7 +92,8 @@ def _extra_state_keys(model: nn.Module) -> list[str]:
             if type(m).get_extra_state is not nn.Module.get_extra_state]
 
 
-def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict, kept: Optional[dict] = None) -> None:
+def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict,
+                 kept: Optional[dict] = None) -> None:
     """Read the shards into `state` (collective), then into the model and
     optimizer, with what prepare_load `kept` of this run's own."""
     kept = kept or {}

@@ -439,7 +439,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     try:
         scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
         state, rows, kept = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
-                                             common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
+                                                   common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
         restore_rng = load_rng and _same_ranks(common["layout"], _layout())
         if restore_rng and not os.path.isfile(rng_path):
             raise CheckpointError(f"checkpoint {path} has no RNG state for rank {get_rank_safe()}: load it with "

@@ -111,6 +111,7 @@ def _wait_until_every_rank_destroyed(store, world: int, key: str, last_to_leave:
     except Exception:  # (the store's server went away with its process: nothing left to wait for)
         return
 
+
 class distributed_job:
     """`with distributed_job(): ...` around everything after `init_process_group`:
     on a normal exit, `shutdown_distributed()`; on an exception, the failing

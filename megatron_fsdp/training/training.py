@@ -166,8 +166,9 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
               f"({parallel_state.get_tensor_model_parallel_rank()}, 0): {count}", flush=True)
     if wrap_with_ddp:
         model = TorchFullyShardedDataParallel(get_model_config(model), args.configs.ddp, model)
-        print_rank_0(f"> data parallel: FSDP2, parameters {'sharded over' if args.use_torch_fsdp2 else 'replicated on'} "
-                     f"{parallel_state.get_data_parallel_world_size()} rank(s)")
+        layout = "sharded over" if args.use_torch_fsdp2 else "replicated on"
+        print_rank_0(f"> data parallel: FSDP2, parameters {layout} {parallel_state.get_data_parallel_world_size()} "
+                     "rank(s)")
         print_rank_0("> FSDP2 copy ops: " + ("megatron_fsdp's kernels" if model.fsdp_copy_kernels_active else
                                             "torch's" + (" (megatron_fsdp's kernels unavailable: warned above)"
                                                          if args.configs.ddp.fsdp_copy_kernels else "")))
