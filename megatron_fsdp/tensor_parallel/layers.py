@@ -27,6 +27,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .reset import ResetsDeclaredParameters
 from .utils import (VocabUtility, constant_init, divide, init_full_tensor, local_tensor, make_tp_parameter,
                     record_init)
 
@@ -66,7 +67,7 @@ def _sp_shared(param: Optional[torch.Tensor], sequence_parallel: bool) -> Option
     return copy_to_tensor_model_parallel_region(local) if sequence_parallel else local
 
 
-class ColumnParallelLinear(_LocalMatmul, nn.Module):
+class ColumnParallelLinear(ResetsDeclaredParameters, _LocalMatmul, nn.Module):
     """Y = XA + b with A split along its output dimension (Shard(0) of the [out, in] weight)."""
 
     def __init__(
@@ -119,13 +120,6 @@ class ColumnParallelLinear(_LocalMatmul, nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def reset_parameters(self) -> None:
-        """Draw this layer's initial values again, as its build does (each rank keeps its part).
-        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
-        from ..initialization import reset_recorded_parameters
-
-        reset_recorded_parameters(self)
-
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
         """Returns (output, bias): bias is None unless skip_bias_add."""
@@ -165,7 +159,7 @@ class ColumnParallelLinear(_LocalMatmul, nn.Module):
                 f"bias={self.bias is not None}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(_LocalMatmul, nn.Module):
+class RowParallelLinear(ResetsDeclaredParameters, _LocalMatmul, nn.Module):
     """Y = XA + b with A split along its input dimension (Shard(1) of the [out, in] weight)."""
 
     def __init__(
@@ -211,13 +205,6 @@ class RowParallelLinear(_LocalMatmul, nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def reset_parameters(self) -> None:
-        """Draw this layer's initial values again, as its build does (each rank keeps its part).
-        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
-        from ..initialization import reset_recorded_parameters
-
-        reset_recorded_parameters(self)
-
     def forward(self, input_: torch.Tensor):
         """Returns (output, bias): bias is None unless skip_bias_add."""
         if self.input_is_parallel:
@@ -247,7 +234,7 @@ class RowParallelLinear(_LocalMatmul, nn.Module):
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ResetsDeclaredParameters, nn.Module):
     """Embedding table split along the vocabulary (Shard(0)); each rank looks up
     the ids in its range, and the partial results are summed."""
 
@@ -270,13 +257,6 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = make_tp_parameter(
             init_full_tensor((num_embeddings, embedding_dim), init_method, config), 0, config)
         record_init(self, "weight", init_method, config)
-
-    def reset_parameters(self) -> None:
-        """Draw this layer's initial values again, as its build does (each rank keeps its part).
-        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
-        from ..initialization import reset_recorded_parameters
-
-        reset_recorded_parameters(self)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """[b, s] ids -> [b, s, h], or [s/tp, b, h] with reduce_scatter_embeddings."""

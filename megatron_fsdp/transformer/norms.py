@@ -14,10 +14,11 @@ from torch import nn
 
 from .. import parallel_state
 from ..tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from ..tensor_parallel.reset import ResetsDeclaredParameters
 from ..tensor_parallel.utils import constant_init, local_tensor, record_init
 
 
-class _Norm(nn.Module):
+class _Norm(ResetsDeclaredParameters, nn.Module):
     def __init__(self, config, hidden_size: int, eps: float, *, partial_grads: bool, bias: bool):
         super().__init__()
         device = None if torch.empty(0).device.type == "meta" else parallel_state.get_device()
@@ -33,13 +34,6 @@ class _Norm(nn.Module):
             record_init(self, "bias", constant_init(0.0), config)
         else:
             self.register_parameter("bias", None)
-
-    def reset_parameters(self) -> None:
-        """Draw this layer's initial values again, as its build does (each rank keeps its part).
-        A meta-device model: megatron_fsdp.initialization.initialize_parameters."""
-        from ..initialization import reset_recorded_parameters
-
-        reset_recorded_parameters(self)
 
     def _param(self, p):
         if p is None:
