@@ -257,6 +257,8 @@ def _case_training_identical(tp, precision):
     dist.barrier()
 
 
-@pytest.mark.parametrize("tp,precision", [(1, None), (2, None), (1, "bf16"), (2, "bf16"), (1, "fp16")])
+# Pairwise: each TP size and each precision (no cast, bf16 and fp16 casts in the copy-in) once;
+# the 2D (TP x FSDP) parameters with the cast, the hardest combination.
+@pytest.mark.parametrize("tp,precision", [(1, None), (2, "bf16"), (1, "fp16")])
 def test_training_is_bitwise_identical_with_kernels(pools, tp, precision):
     pools(4).run(_case_training_identical, tp, precision)
