@@ -19,7 +19,7 @@ from .. import _torch_compat, parallel_state, tensor_parallel
 from ..models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from ..transformer.transformer_layer import TransformerLayer
-from ..utils import any_rank, weights_changed_hooks
+from ..utils import non_finite_ranks, weights_changed_hooks
 from .data_parallel_base import _BaseDataParallel
 from .distributed_data_parallel_config import DistributedDataParallelConfig
 from .fsdp_plan import apply_fsdp_plan, plan_fsdp
@@ -159,10 +159,13 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
 
     def _check_grads_finite(self) -> None:
         # Each rank holds different shards: agree on the verdict so that every
-        # rank raises, not only the one holding the bad shard.
-        bad = [name for name, p in self.module.named_parameters() if p.grad is not None
-               and not torch.isfinite(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).all()]
-        if any_rank(bool(bad), device=parallel_state.get_device_or_cpu()):
+        # rank raises, not only the one holding the bad shard. One fused check and
+        # one all-reduce; the names are looked up only when something is wrong.
+        named = [(name, p.grad) for name, p in self.module.named_parameters() if p.grad is not None]
+        _, bad_ranks = non_finite_ranks(grads=[g for _, g in named], device=parallel_state.get_device_or_cpu())
+        if bad_ranks:
+            bad = [name for name, g in named
+                   if not torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all()]
             where = f"this rank's shards of {bad[:5]}" if bad else "shards held by other ranks"
             raise RuntimeError(f"rank {dist.get_rank()}: non-finite gradient (NaN or Inf) in {where}")
 
