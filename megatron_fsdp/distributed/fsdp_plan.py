@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from .. import parallel_state
 from .._process_groups import backend_device_type
 from ..fp8 import (check_fp8_param_gather, convert_to_fp8, convert_to_fp8_weights, linears_to_convert,
-                   refresh_fp8_scales)
+                   refresh_fp8_weight_scales)
 from ..initialization import initialize_parameters
 from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
 from .distributed_data_parallel_config import DistributedDataParallelConfig
@@ -170,9 +170,10 @@ def materialize_meta_parameters(module: nn.Module, plan: FSDPPlan) -> None:
 
 def compute_fp8_scales(module: nn.Module, plan: FSDPPlan) -> None:
     """The first all-gather needs each fp8 weight's scale, computed from its
-    values: only now are they final. Later the optimizer refreshes them."""
+    values: only now are they final (the delayed-scaling histories have recorded
+    nothing yet: they are left alone). Later the optimizer refreshes them."""
     if plan.fp8_param_gather:
-        refresh_fp8_scales(module)
+        refresh_fp8_weight_scales(module)
 
 
 def install_copy_kernels(plan: FSDPPlan) -> None:
