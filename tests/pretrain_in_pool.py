@@ -17,19 +17,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import sys
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from distributed_pool import _free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
