@@ -157,10 +157,17 @@ EOF
 cuda_tests() {
   local limit
   limit="$(left 230)"
-  # pytest's exit code is judged from its report below: every failing test by name.
-  timeout "$limit" "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT_DIR/tests.xml" \
-    tests/test_device_copy_kernels.py tests/test_amax_kernel.py tests/test_kernels.py \
-    tests/test_torch_compat.py tests/test_fsdp_copy_kernels.py >"$OUT_DIR/tests.log" 2>&1 || true
+  # pytest's exit code is judged from its report below: every failing test by name. -v names each
+  # test as it starts, and faulthandler dumps every thread's stack of a test that hangs, so a
+  # run cut off by the limit (no report written) still says where it stopped.
+  timeout "$limit" "$PY" -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=60 \
+    --junitxml="$OUT_DIR/tests.xml" tests/test_device_copy_kernels.py tests/test_amax_kernel.py \
+    tests/test_kernels.py tests/test_torch_compat.py tests/test_fsdp_copy_kernels.py >"$OUT_DIR/tests.log" 2>&1 || true
+  if [ ! -s "$OUT_DIR/tests.xml" ]; then
+    local last
+    last="$(grep -oE '^tests/[^ ]+' "$OUT_DIR/tests.log" | tail -n 1 || true)"
+    fail "pytest did not finish in ${limit}s (no report); the last test it started: ${last:-none} (log: $OUT_DIR/tests.log)"
+  fi
   "$PY" - "$OUT_DIR/tests.xml" >"$OUT_DIR/tests_summary.txt" 2>&1 <<'PYEOF' || fail "$(tail -n 1 "$OUT_DIR/tests_summary.txt")"
 import sys
 import xml.etree.ElementTree as ET

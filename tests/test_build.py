@@ -322,6 +322,26 @@ def test_choose_compiler_replaces_a_cxx_with_another_cxx_runtime(fake_cxx):
     assert cuda.ccbin == shutil.which(match) and any("-ccbin" in line for line in cuda.lines)
 
 
+def test_choose_compiler_replaces_a_cxx_that_names_no_runtime(tmp_path):
+    # The GPU image's CXX=/opt/gcc/bin/g++: `-print-file-name=libstdc++.so` finds none, and its
+    # extension crashed (SIGSEGV) on any error; keeping it "because nothing can be compared" was wrong.
+    runtime, match = _runtime_and_system_compiler()
+    cxx = tmp_path / "opt-gcc" / "g++"
+    cxx.parent.mkdir()
+    cxx.write_text('#!/bin/sh\ncase "$1" in -print-file-name=*) echo "${1#-print-file-name=}"; exit 0 ;; esac\n'
+                   'exec c++ "$@"\n')
+    cxx.chmod(0o755)
+    assert build_config.compiler_libstdcxx(str(cxx)) is None
+    choice = build_config.choose_compiler({"CXX": str(cxx)}, runtime)
+    assert choice.cxx == match and choice.info["replaced"] == [str(cxx)]
+    said = " ".join(choice.lines)
+    assert f"instead of CXX={cxx}" in said and "cannot be checked" in said and build_config.KEEP_CXX_ENV in said
+    assert build_config.choose_compiler({"CXX": str(cxx), build_config.KEEP_CXX_ENV: "1"}, runtime).cxx is None
+    # nvcc's host compiler likewise: one that cannot be checked gets -ccbin <the matching compiler>.
+    cuda = build_config.choose_compiler({"CXX": str(cxx), "CC": str(cxx)}, runtime, with_cuda=True)
+    assert cuda.ccbin == shutil.which(match) and any("names no libstdc++" in line for line in cuda.lines)
+
+
 def test_choose_compiler_keeps_a_matching_compiler(fake_cxx):
     runtime, match = _runtime_and_system_compiler()
     cxx, fake_lib = fake_cxx

@@ -148,7 +148,9 @@ def _assert_same(got, expected):
     """Bitwise, but on CPU a NaN may carry another payload: torch's vectorized
     CPU cast writes NaN as 0xFFFF, c10's scalar conversion (the device
     kernel's, emulated here) as 0x7FC0. Both are NaN; on a GPU both sides
-    run the same instruction and the bits must match exactly."""
+    run the same instruction and the bits must match exactly. A reference
+    computed on the CPU for a device result is moved there (bit copies only)."""
+    expected = expected.to(got.device)
     if got.device.type == "cpu" and got.is_floating_point():
         both_nan = torch.isnan(got) & torch.isnan(expected)
         got, expected = got.clone(), expected.clone()

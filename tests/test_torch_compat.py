@@ -88,14 +88,17 @@ def test_local_tensor_is_the_object_fsdp_holds(pools):
 
 
 def _case_fsdp_state_on_a_live_module():
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # The pool is gloo on the CPU: without a mesh FSDP2 takes the accelerator's (a CUDA mesh on a GPU machine).
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     groups = [g for m in model.modules() for g in _torch_compat.fsdp_param_groups(m) if hasattr(m, "unshard")]
     assert len(groups) == 2  # the root owns no parameter: no group
     params = list(_torch_compat.fsdp_params(model))

@@ -125,11 +125,14 @@ def choose_compiler(environ=None, runtime: str | None = "detect", with_cuda: boo
     """Pick a C++ compiler whose C++ runtime is the one this process (with torch imported) loads.
 
     CXX (default: `c++`, as torch's build uses) is kept when its libstdc++ is the
-    loaded one, or when it names none (not GCC's layout: nothing to compare), or
-    when MEGATRON_FSDP_KEEP_CXX=1. Otherwise the first system compiler that
-    matches replaces it; with none, it is kept with a warning (the check after
-    the build then tells). With CUDA, nvcc's host compiler (CC when set, else
-    gcc from PATH) is checked the same way and -ccbin chosen when it differs.
+    loaded one, or when MEGATRON_FSDP_KEEP_CXX=1. A CXX that links another
+    runtime, or that names none (`-print-file-name` finds no libstdc++, so which
+    runtime it links cannot be checked: the GPU image's /opt/gcc/bin/g++ is
+    such a one, and its builds crashed), is replaced by the first system
+    compiler that links the loaded runtime; with none, it is kept (with a
+    warning when it is known to differ; the check after the build then tells).
+    With CUDA, nvcc's host compiler (CC when set, else gcc from PATH) is
+    checked the same way and -ccbin chosen when it differs or cannot be checked.
     """
     environ = os.environ if environ is None else environ
     runtime = loaded_libstdcxx() if runtime == "detect" else runtime  # None: unknown
@@ -152,15 +155,26 @@ def choose_compiler(environ=None, runtime: str | None = "detect", with_cuda: boo
         configured = (sysconfig.get_config_var("CXX") or "").split()
         if configured and configured[0] != "c++":
             current.append(configured[0])
-    mismatched = [(c, compiler_libstdcxx(c)) for c in current]
-    mismatched = [(c, rt) for c, rt in mismatched if rt is not None and not same_file(rt, runtime)]
+    runtimes = [(c, compiler_libstdcxx(c)) for c in current]
+    mismatched = [(c, rt) for c, rt in runtimes if rt is not None and not same_file(rt, runtime)]
+    unverified = [c for c, rt in runtimes if rt is None]
     cxx = None
     chosen = given or "c++"
     how = "CXX" if given else "CXX unset"
-    if not mismatched:
+    match = None if (keep or mismatched or not unverified) else find_matching_compiler(runtime, exclude=unverified)
+    if match is not None:
+        cxx = chosen = match
+        what = f"CXX={given}" if given else f"the default compiler {unverified[0]}"
+        lines.append(f"C++ compiler: {resolve_compiler(match)}, instead of {what} ({resolve_compiler(unverified[0])}): "
+                     "that one names no libstdc++ of its own (-print-file-name finds none), so whether it links "
+                     f"{runtime}, the one this Python loads with torch, cannot be checked, and an extension built "
+                     f"against another C++ runtime crashes (SIGSEGV) when it raises an error. {match} links "
+                     f"{runtime}. Set {KEEP_CXX_ENV}=1 to keep CXX as given.")
+    elif not mismatched:
         rt = compiler_libstdcxx(chosen)
         lines.append(f"C++ compiler: {resolve_compiler(chosen)} ({how}; "
-                     + (f"it links {rt}, the libstdc++ torch loads)" if rt else "no libstdc++ of its own to compare)"))
+                     + (f"it links {rt}, the libstdc++ torch loads)" if rt else
+                        "no libstdc++ of its own to compare, and no system compiler links the one torch loads)"))
     else:
         bad, bad_rt = mismatched[0]
         what = f"CXX={given}" if given else f"the default compiler {bad}"
@@ -182,22 +196,23 @@ def choose_compiler(environ=None, runtime: str | None = "detect", with_cuda: boo
                              f"built against another C++ runtime crashes (SIGSEGV) when it raises an error. "
                              f"{match} links {runtime}. Set {KEEP_CXX_ENV}=1 to keep CXX as given.")
     info.update(cxx=chosen, cxx_resolved=resolve_compiler(chosen), cxx_libstdcxx=compiler_libstdcxx(chosen),
-                replaced=[c for c, _ in mismatched] if cxx else [])
+                replaced=([c for c, _ in mismatched] or unverified) if cxx else [])
 
     ccbin = None
     if with_cuda:
         host = environ.get("CC") or "gcc"
         host_rt = compiler_libstdcxx(host)
-        if host_rt is not None and not same_file(host_rt, runtime):
+        if not same_file(host_rt, runtime):
+            links = f"links {host_rt}" if host_rt else "names no libstdc++ to check"
             if keep:
-                lines.append(f"WARNING: nvcc's host compiler {resolve_compiler(host)} links {host_rt}, not {runtime}: "
-                             f"kept ({KEEP_CXX_ENV}=1)")
+                lines.append(f"WARNING: nvcc's host compiler {resolve_compiler(host)} {links} (this Python loads "
+                             f"{runtime}): kept ({KEEP_CXX_ENV}=1)")
             else:
                 ccbin = chosen if same_file(compiler_libstdcxx(chosen), runtime) else find_matching_compiler(runtime)
                 if ccbin:
                     ccbin = shutil.which(shlex.split(ccbin)[0]) or ccbin
                     lines.append(f"nvcc host compiler: -ccbin {ccbin}, instead of {resolve_compiler(host)} "
-                                 f"(that one links {host_rt}, not {runtime})")
+                                 f"(that one {links}; this Python loads {runtime})")
         info["ccbin"] = ccbin
     return CompilerChoice(cxx, ccbin, lines, info)
 
