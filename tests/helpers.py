@@ -72,3 +72,43 @@ def batch(vocab: int, b: int = 2, s: int = 16, seed: int = 0):
     weights = torch.rand(b, s, generator=g)
     positions = torch.arange(s).expand(b, s)
     return ids, labels, positions, weights
+
+
+def spoil_tensor_data(checkpoint: str) -> int:
+    """Overwrite the bytes of every tensor a DCP checkpoint holds (its non-tensor entries
+    stay readable): a load that read or checksummed a tensor before its checks would fail
+    differently. Returns how many tensor items were spoiled."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    spoiled = 0
+    for index, where in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata):
+            with open(os.path.join(checkpoint, where.relative_path), "r+b") as f:
+                f.seek(where.offset)
+                f.write(b"\xa5" * where.length)
+            spoiled += 1
+    return spoiled
+
+
+def rewrite_as_format_2(checkpoint: str, **common_extra) -> None:
+    """Give a checkpoint the non-tensor files of format 2 (before version 3 made them DCP
+    entries): common.pt (the train state's keys, the scheduler, the loss scaler, plus
+    `common_extra`) and rng/rank_*.pt. The loader reads common.pt where there is one."""
+    import os
+
+    from megatron_fsdp.dist_checkpointing import entries, torch_dcp
+
+    saved = torch_dcp.read_metadata(checkpoint)
+    names = [n for n in saved if n in ("train_state", "opt_param_scheduler", "grad_scaler") or n.startswith("rng.")]
+    found = {n: entries.unpack(blob, n) for n, blob in torch_dcp.read_entries(checkpoint, names).items()}
+    common = {"opt_param_scheduler": found.pop("opt_param_scheduler", None),
+              "grad_scaler": found.pop("grad_scaler", None), **found.pop("train_state"), **common_extra}
+    common["version"] = 2
+    torch.save(common, os.path.join(checkpoint, "common.pt"))
+    os.makedirs(os.path.join(checkpoint, "rng"), exist_ok=True)
+    for name, state in found.items():
+        torch.save(state, os.path.join(checkpoint, "rng", f"{name[len('rng.'):]}.pt"))

@@ -130,11 +130,11 @@ def test_manifest_covers_every_file_and_is_written_before_publishing(tmp_path, m
     on_disk = {os.path.relpath(p, path) for p in glob.glob(os.path.join(path, "**", "*"), recursive=True)
                if os.path.isfile(p)} | {".metadata"}
     assert listed == on_disk - {checksums.MANIFEST_FILENAME}
-    # common.pt is checked too, and a checkpoint without a manifest is named.
-    with open(os.path.join(path, "common.pt"), "r+b") as f:
+    # DCP's metadata is checked too, and a checkpoint without a manifest is named.
+    with open(os.path.join(path, ".metadata"), "r+b") as f:
         f.seek(100)
         f.write(b"\xff")
-    with pytest.raises(CheckpointError, match="common.pt: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=r"\.metadata: checksum mismatch"):
         load_checkpoint(model, optimizer, None, str(tmp_path))
     os.remove(os.path.join(path, checksums.MANIFEST_FILENAME))
     with pytest.raises(CheckpointError, match="has no checksums.json.*--no-verify-checkpoint"):

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from helpers import make_config, setup_parallel
 from megatron_fsdp import parallel_state, tensor_parallel
+from megatron_fsdp.dist_checkpointing import entries, torch_dcp
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import DynamicGradScaler, OptimizerConfig, get_megatron_optimizer
@@ -189,16 +190,23 @@ def test_checkpoint_without_scaler_state_keeps_the_current_scale(tmp_path, caplo
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
+def _grad_scaler_entry(ckpt):
+    path = os.path.join(ckpt, "iter_0000003")
+    return entries.unpack(torch_dcp.read_entries(path, ["grad_scaler"])["grad_scaler"], "grad_scaler")
+
+
 @single_process
 def test_unloadable_scaler_state_fails_before_anything_is_read(tmp_path):
     ckpt = str(tmp_path)
-    _saved_fp16(ckpt)
-    common_path = os.path.join(ckpt, "iter_0000003", "common.pt")
-    common = torch.load(common_path, weights_only=True)
-    assert isinstance(common["grad_scaler"]["scale"], torch.Tensor)
-    assert common["grad_scaler"]["scale"].device.type == "cpu"
-    del common["grad_scaler"]["hysteresis_tracker"]
-    torch.save(common, common_path)
+    saved_model, saved_optimizer = _saved_fp16(ckpt)
+    scaler_entry = _grad_scaler_entry(ckpt)
+    assert isinstance(scaler_entry["scale"], torch.Tensor) and scaler_entry["scale"].device.type == "cpu"
+    # A scaler state without its hysteresis tracker (what another scaler class would save).
+    full_state = saved_optimizer.grad_scaler.state_dict
+    saved_optimizer.grad_scaler.state_dict = lambda: {k: v for k, v in full_state().items()
+                                                      if k != "hysteresis_tracker"}
+    save_checkpoint(3, saved_model, saved_optimizer, None, ckpt)
+    assert "hysteresis_tracker" not in _grad_scaler_entry(ckpt)
     model, optimizer = _tiny("fp16", seed=1)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(CheckpointError, match="loss-scaler state does not fit the optimizer's DynamicGradScaler"):

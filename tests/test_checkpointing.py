@@ -207,26 +207,35 @@ def _case_missing_state(ckpt):
     model, optimizer, scheduler = _build(1, fsdp=True)
     save_checkpoint(1, model, None, None, ckpt)  # Megatron's --no-save-optim
     path = os.path.join(ckpt, "iter_0000001")
-    real_load, collective_loads = torch_dcp.dcp.load, []
-    torch_dcp.dcp.load = lambda *a, **k: collective_loads.append(1) or real_load(*a, **k)
+    real_load, tensor_loads = torch_dcp.dcp.load, []
+
+    def counting_load(state, *args, **kwargs):
+        # The non-tensor entries are read by each rank alone (no_dist); the tensors collectively.
+        if not kwargs.get("no_dist"):
+            tensor_loads.append(sorted(state))
+        return real_load(state, *args, **kwargs)
+
+    torch_dcp.dcp.load = counting_load
+    real_rng_key = checkpointing._rng_key
     try:
         with pytest.raises(CheckpointError, match=re.escape(path) + " holds no optimizer state.*--no-load-optim"):
             load_checkpoint(model, optimizer, scheduler, ckpt)
         with pytest.raises(CheckpointError, match="no learning-rate scheduler state.*--no-load-optim"):
             load_checkpoint(model, None, scheduler, ckpt)
-        assert not collective_loads, "the checks must come before DCP reads anything"
+        assert not tensor_loads, "the checks must come before DCP reads a tensor"
         assert load_checkpoint(model, optimizer, scheduler, ckpt, load_optim=False)["rng_restored"]
-        dist.barrier()
-        if dist.get_rank() == 0:
-            os.remove(os.path.join(path, "rng", "rank_00001.pt"))
-        dist.barrier()
-        # Every rank names the rank without RNG state (the checksums would name the missing file first).
+        assert tensor_loads == [["model"]]
+        # A checkpoint without rank 1's RNG entry (rank 1 looks for another rank's name).
+        if dist.get_rank() == 1:
+            checkpointing._rng_key = lambda rank: "rank_00099"
+        # Every rank names the rank without RNG state, before any tensor is read.
         with pytest.raises(CheckpointError, match="rank 1: .*has no RNG state for rank 1.*--no-load-rng"):
-            load_checkpoint(model, optimizer, scheduler, ckpt, load_optim=False, verify=False)
-        assert len(collective_loads) == 1
-        assert not load_checkpoint(model, None, None, ckpt, load_rng=False, verify=False)["rng_restored"]
+            load_checkpoint(model, optimizer, scheduler, ckpt, load_optim=False)
+        assert len(tensor_loads) == 1
+        assert not load_checkpoint(model, None, None, ckpt, load_rng=False)["rng_restored"]
     finally:
         torch_dcp.dcp.load = real_load
+        checkpointing._rng_key = real_rng_key
 
 
 def test_missing_optimizer_scheduler_or_rng_state_is_named_before_loading(pools, tmp_path):
@@ -350,8 +359,8 @@ def test_renames_and_tracker_are_fsynced(tmp_path, monkeypatch):
     save_checkpoint(1, model, optimizer, None, ckpt)
     root = os.path.realpath(ckpt)
     renamed, tracked = events.index(("replace", "iter_0000001")), events.index(("replace", TRACKER))
-    for name in ("common.pt", os.path.join("rng", "rank_00000.pt")):
-        assert any(kind == "fsync" and path.endswith(name) for kind, path in events[:renamed]), (
+    for name in ("__0_0.distcp", ".metadata"):  # DCP syncs its metadata as .metadata.tmp, then renames it
+        assert any(kind == "fsync" and path.endswith((name, f"{name}.tmp")) for kind, path in events[:renamed]), (
             f"{name} was not fsynced before the rename")
     # The checkpoint's rename is durable before the tracker names it, and the tracker after.
     assert ("fsync", root) in events[renamed + 1:tracked], "the directory was not fsynced after the rename"

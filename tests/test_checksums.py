@@ -183,8 +183,8 @@ def test_saves_record_crc32c_and_verify_it(tmp_path):
         assert entry["crc32c"] == crc.crc32c_reference(data), name
         assert entry["size"] == len(data)
     assert load_checkpoint(model, None, None, str(tmp_path))["iteration"] == 1
-    _flip_byte(path, "common.pt")
-    with pytest.raises(CheckpointError, match=r"common.pt: checksum mismatch \(crc32c "):
+    _flip_byte(path, ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata: checksum mismatch \(crc32c "):
         load_checkpoint(model, None, None, str(tmp_path))
 
 
@@ -200,8 +200,8 @@ def test_crc32_checkpoints_still_verify(tmp_path, monkeypatch):
         with open(os.path.join(path, name), "rb") as f:
             assert entry == {"crc32": zlib.crc32(f.read()), "size": entry["size"], "rank": 0}
     assert load_checkpoint(model, None, None, str(tmp_path))["iteration"] == 1
-    _flip_byte(path, "common.pt")
-    with pytest.raises(CheckpointError, match=r"common.pt: checksum mismatch \(crc32 "):
+    _flip_byte(path, ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata: checksum mismatch \(crc32 "):
         load_checkpoint(model, None, None, str(tmp_path))
 
 
@@ -213,10 +213,10 @@ def test_without_the_extension_saves_use_crc32_and_crc32c_verifies_slowly(tmp_pa
     assert _manifest(save_checkpoint(1, model, None, None, str(tmp_path / "b")))["algorithm"] == "crc32"
     with pytest.warns(RuntimeWarning, match="pure-PyTorch CRC-32C.*--no-verify-checkpoint"):
         assert load_checkpoint(model, None, None, str(tmp_path / "a"))["iteration"] == 1
-    _flip_byte(crc32c_path, "common.pt")
+    _flip_byte(crc32c_path, ".metadata")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # warned once per process
-        with pytest.raises(CheckpointError, match=r"common.pt: checksum mismatch \(crc32c "):
+        with pytest.raises(CheckpointError, match=r"\.metadata: checksum mismatch \(crc32c "):
             load_checkpoint(model, None, None, str(tmp_path / "a"))
 
 

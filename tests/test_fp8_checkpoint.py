@@ -2,13 +2,14 @@
 across fp8 and high precision: a GPT at TP=2 x DP=2 under raw fully_shard,
 saved and loaded with training.checkpointing."""
 
+import os
 import shutil
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from helpers import full_tensor, make_config, setup_parallel
+from helpers import full_tensor, make_config, rewrite_as_format_2, setup_parallel
 from megatron_fsdp import _torch_compat, parallel_state, tensor_parallel
 from megatron_fsdp.dist_checkpointing import torch_dcp
 from megatron_fsdp.fp8 import (
@@ -106,11 +107,10 @@ def _case_checkpoints(root):
     saved_masters, saved_histories = _masters(a), _histories(a)
     assert all(float(h.max()) > 0 for roles in saved_histories.values() for h in roles.values())
     older_format_histories = fp8_state_dict(a)  # where checkpoints before module state kept them
-    # The histories are the linears' module state, in the model's DCP state dict;
-    # common.pt no longer holds them.
-    common = torch.load(f"{fp8_dir}/iter_0000002/common.pt", weights_only=False)
-    assert "fp8" not in common, common.keys()
+    # The histories are the linears' module state, in the model's DCP state dict, not an
+    # entry of their own (where format 2's common.pt held them).
     saved = torch_dcp.read_metadata(f"{fp8_dir}/iter_0000002")
+    assert "fp8" not in saved and not os.path.exists(f"{fp8_dir}/iter_0000002/common.pt")
     assert {f"model.{name}._extra_state" for name in saved_histories} <= set(saved), sorted(saved)
     key = "model.decoder.layers.0.mlp.linear_fc1.weight"
     assert saved[key].properties.dtype == torch.float32, "fp8 weights are saved as fp32 masters"
@@ -156,12 +156,10 @@ def _case_checkpoints(root):
     older_dir = f"{root}/older"
     if dist.get_rank() == 0:
         shutil.copytree(plain_dir, older_dir)
-        path = f"{older_dir}/iter_0000002/common.pt"
-        common = torch.load(path, weights_only=False)
-        torch.save({**common, "fp8": older_format_histories}, path)
+        rewrite_as_format_2(f"{older_dir}/iter_0000002", fp8=older_format_histories)
     dist.barrier()
     e, opt_e = _model(fp8=True, seed=5)
-    load_checkpoint(e, opt_e, load_dir=older_dir, verify=False)  # common.pt changed: its checksum did
+    load_checkpoint(e, opt_e, load_dir=older_dir, verify=False)  # common.pt is not in the manifest
     for name, roles in saved_histories.items():
         _assert_same(_histories(e)[name], roles, f"histories of {name} from an older checkpoint")
     _check_gathered_weights(e, saved_masters)

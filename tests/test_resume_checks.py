@@ -1,15 +1,14 @@
-"""What load_checkpoint checks before it reads a shard (the learning-rate schedule), what
+"""What load_checkpoint checks before it reads a tensor (the learning-rate schedule), what
 it reports about the vocabulary padding, and optimizer state across another grouping of
 the parameters (2 ranks, gloo)."""
 
-import glob
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import assert_close_dicts, full_params, full_tensor, make_config, setup_parallel
+from helpers import assert_close_dicts, full_params, full_tensor, make_config, setup_parallel, spoil_tensor_data
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -39,10 +38,10 @@ def _case_save(ckpt: str, tp: int, vocab_rows: int) -> None:
 
 
 def _case_schedule_checked_before_the_shards(ckpt: str) -> None:
-    # The shards are gone: a check that came after reading (or checksumming) them would fail otherwise.
+    # Every tensor's bytes are spoiled: a check that came after reading (or checksumming) one
+    # would fail otherwise.
     if dist.get_rank() == 0:
-        for shard in glob.glob(os.path.join(ckpt, "iter_0000001", "*.distcp")):
-            os.remove(shard)
+        assert spoil_tensor_data(os.path.join(ckpt, "iter_0000001")) > 0
     dist.barrier()
     model, optimizer, _ = _build(2, 128)
     scheduler = _scheduler(optimizer, decay_steps=64)
@@ -53,13 +52,13 @@ def _case_schedule_checked_before_the_shards(ckpt: str) -> None:
         load_checkpoint(model, optimizer, scheduler, ckpt)
     assert (scheduler.num_steps, scheduler.lr_decay_steps) == (0, 64)  # untouched
     assert optimizer.param_groups[0]["lr"] == scheduler.get_lr()
-    # With the override the schedule passes, and the missing shards are what stops the load next.
+    # With the override the schedule passes, and the spoiled shards are what stops the load next.
     scheduler = _scheduler(optimizer, decay_steps=64, override_opt_param_scheduler=True)
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
         load_checkpoint(model, optimizer, scheduler, ckpt)
 
 
-def test_a_changed_schedule_is_refused_before_any_shard_is_read(pools, tmp_path):
+def test_a_changed_schedule_is_refused_before_any_tensor_is_read(pools, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     pools(2).run(_case_save, ckpt, 2, 128)
     pools(2).run(_case_schedule_checked_before_the_shards, ckpt)

@@ -3,7 +3,6 @@ with Megatron's names, TFLOP/s equal to Megatron's formula, and a resume at anot
 data-parallel size that continues with the same samples. The jobs run in the worker
 pool (tests/pretrain_in_pool.py); the errors a user sees, through torchrun."""
 
-import glob
 import importlib.util
 import math
 import os
@@ -14,6 +13,7 @@ import sys
 
 import pytest
 
+from helpers import spoil_tensor_data
 from job_output import assert_one_line_error, error_lines
 from pretrain_in_pool import pretrain_gpt_job
 
@@ -150,14 +150,13 @@ def _checkpoint_at_iteration_3(reference, tmp_path) -> str:
 
 
 @pytest.mark.e2e
-def test_a_changed_schedule_is_refused_before_any_shard_is_read(reference, tmp_path):
+def test_a_changed_schedule_is_refused_before_any_tensor_is_read(reference, tmp_path):
     """--train-iters 8 where the checkpoint's run had 6 (a longer decay) without
     --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler: the error comes from
-    the checkpoint's common.pt alone. Its shards are deleted here, so reading (or checksumming)
-    any of them first would fail differently."""
+    the checkpoint's non-tensor entries alone. Every tensor's bytes are spoiled here, so reading
+    (or checksumming) any of them first would fail differently."""
     ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
-    for shard in glob.glob(os.path.join(ckpt, "iter_0000003", "*.distcp")):
-        os.remove(shard)
+    assert spoil_tensor_data(os.path.join(ckpt, "iter_0000003")) > 0
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                            os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN,
                            "--train-iters", "8", "--load", ckpt, "--eval-iters", "0"],

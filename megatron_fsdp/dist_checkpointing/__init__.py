@@ -4,10 +4,11 @@ core: CheckpointError and the collectives that give every rank one verdict.
 publish: durable writes and the atomic publish of a checkpoint directory.
 checksums: a checksum of every file (crc32c, or zlib crc32 without the extension), computed while writing; the manifest; verification.
 vocab_padding: vocabulary rows loaded across a different padding.
-torch_dcp: the sharded save/load of model, optimizer and fp32 main params.
+torch_dcp: the sharded save/load of model, optimizer and fp32 main params; the non-tensor entries read alone.
+entries: a non-tensor entry of the checkpoint's DCP dict as one checksummed blob.
 export: the full weights as one safetensors file.
 
-Training-level checkpoints (tracker, iteration directories, RNG states) are
+Training-level checkpoints (tracker, iteration directories, the entries of the one DCP dict) are
 megatron_fsdp.training.checkpointing.
 """
 

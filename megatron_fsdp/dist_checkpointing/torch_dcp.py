@@ -56,6 +56,20 @@ def save_sharded(state: dict, path: str, checksums: Optional[dict]) -> None:
         dcp.save(state, storage_writer=ChecksumFileSystemWriter(path, checksums))
 
 
+def read_entries(path: str, names: list[str]) -> dict:
+    """{name: bytes} of the checkpoint's non-tensor entries `names` (entries.py), read by this
+    rank alone (no collective): only their bytes, not a tensor."""
+    if not names:
+        return {}
+    values = {name: b"" for name in names}
+    try:
+        dcp.load(values, checkpoint_id=path, no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read "
+                              f"{', '.join(names)} ({describe(exc)})") from exc
+    return values
+
+
 def read_metadata(path: str) -> dict:
     try:
         return dcp.FileSystemReader(path).read_metadata().state_dict_metadata

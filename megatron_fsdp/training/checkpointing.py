@@ -6,12 +6,21 @@ Layout, Megatron's names:
 
     <save>/latest_checkpointed_iteration.txt     the tracker, written last
     <save>/iter_0000100/                          one checkpoint
-        .metadata, __*_*.distcp                   DCP: model (its modules' extra state too: fp8
-                                                  histories) + optimizer, every rank its shards
-        common.pt                                 iteration, scheduler, loss scaler, layout, vocabulary,
-                                                  extra state
-        rng/rank_00003.pt                         each rank's RNG states
+        .metadata, __*_*.distcp                   one DCP dict, every rank its part:
+            model.*, optimizer.*, main_params.*     the tensors as DTensor shards (the modules' extra
+                                                    state too: fp8 histories)
+            train_state                             iteration, format, layout, vocabulary, the caller's
+                                                    extra state (consumed samples, flags)
+            opt_param_scheduler, grad_scaler        the LR scheduler, the fp16 loss scaler
+            rng.rank_00003                          each rank's RNG states
+            <name>                                  what the model registered (utils.register_checkpoint_state)
         checksums.json                            checksum (crc32c, or zlib crc32 without the extension) and size of every file above
+
+Each non-tensor entry is one checksummed blob (dist_checkpointing.entries),
+taken from an object with state_dict() (the scheduler, the loss scaler, ...):
+save_checkpoint is prepare the directory, one dcp.save of the dict through
+the checksumming writer, publish. Checkpoints of format 2 (the same DCP
+tensors, the entries in common.pt and rng/rank_*.pt) still load.
 
 A checkpoint is written into `iter_XXXXXXX.tmp-<run>-<id>` and published by
 rename once every rank finished writing and rank 0 wrote the checksum
@@ -19,17 +28,18 @@ manifest; the tracker is replaced after that (see dist_checkpointing.publish).
 A save that dies part-way leaves the previous checkpoint as the latest.
 
 Loading: rank 0 alone reads the tracker and the manifest and broadcasts what
-it found, so every rank loads the same iteration; common.pt and the DCP
-metadata are verified and checked first (model flags, learning-rate
-schedule, optimizer state), then the ranks split the checksum verification
-of the rest; every check that can fail runs before any shard is read, and
-every rank raises the same CheckpointError. DCP then reads the
+it found, so every rank loads the same iteration; the DCP metadata is
+verified, and it and the non-tensor entries (their own checksums) are
+checked first (model flags, learning-rate schedule, optimizer state), then
+the ranks split the checksum verification of the files; every check that
+can fail runs before any tensor is read, and every rank raises the same
+CheckpointError. DCP then reads the
 shards the current layout needs (any TP x DP, across vocabulary padding
 given the true vocabulary size). RNG states are restored only when the
 layout is the one saved.
 
 The fp16 loss scaler (optimizer.grad_scaler) is not part of the torch
-optimizer DCP saves: its state goes into common.pt, and loads with the
+optimizer's state dict: it is an entry of its own, and loads with the
 optimizer (load_optim). A checkpoint without it keeps the optimizer's
 current scale (with a warning, as Megatron does); one with it loading into
 an optimizer without a scaler (resumed in bf16 or fp32) skips it.
@@ -38,7 +48,6 @@ an optimizer without a scaler (resumed in bf16 or fp32) skips it.
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import os
 import random
@@ -53,7 +62,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .. import parallel_state
 from ..utils import (broadcast_from_rank0, checkpoint_states, gather_to_rank0, get_rank_safe, get_world_size_safe,
                      unwrap_model)
-from ..dist_checkpointing import checksums, core, publish, torch_dcp
+from ..dist_checkpointing import checksums, core, entries, publish, torch_dcp
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.export import export_safetensors
 from ..dist_checkpointing.vocab_padding import vocab_param_names
@@ -64,10 +73,12 @@ __all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "export_safe
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CKPT_FORMAT = "torch_dcp"
-_FORMAT_VERSION = 2
-_COMMON = "common.pt"
-# Read and checked before the shards: what the checkpoint says about itself.
-_HEAD_FILES = (_COMMON, ".metadata")
+_FORMAT_VERSION = 3
+_METADATA = ".metadata"  # DCP's, written last by its save
+_COMMON = "common.pt"  # format 2: the non-tensor entries, rng/ the RNG states
+# Verified before anything else is read: what the checkpoint says about itself.
+_HEAD_FILES = (_METADATA, _COMMON)
+_TRAIN_STATE = "train_state"
 
 logger = logging.getLogger(__name__)
 
@@ -112,28 +123,27 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _rng_name(rank: int) -> str:
-    return os.path.join("rng", f"rank_{rank:05d}.pt")
+def _rng_key(rank: int) -> str:
+    return f"rank_{rank:05d}"
 
 
-def _serialized(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
+def _rng_name(rank: int) -> str:  # format 2
+    return os.path.join("rng", f"{_rng_key(rank)}.pt")
 
 
-_COMMON_KEYS = ("iteration", "format", "version", "layout", "opt_param_scheduler", "grad_scaler", "vocab",
-                "extra_state")
+# The DCP dict's top-level names; the train state's own keys (the form load_checkpoint reads).
+_OWN_ENTRIES = ("model", "optimizer", "main_params", _TRAIN_STATE, "opt_param_scheduler", "grad_scaler", "rng")
+_TRAIN_STATE_KEYS = ("iteration", "format", "version", "layout", "vocab", "extra_state")
 
 
 def _model_states(model) -> dict:
-    """The states the model registered to travel with it (utils.register_checkpoint_state:
-    the fp8 converter's histories, say), each under its name beside common.pt's own keys."""
+    """The states the model registered to travel with it (utils.register_checkpoint_state),
+    each an entry under its name beside the checkpoint's own."""
     states = {name: state.state_dict() for name, state in checkpoint_states(model).items()}
     states = {name: value for name, value in states.items() if value is not None}  # None: nothing to write
-    clash = sorted(set(states) & set(_COMMON_KEYS))
+    clash = sorted(set(states) & set(_OWN_ENTRIES + _TRAIN_STATE_KEYS))
     if clash:
-        raise ValueError(f"checkpoint state registered as {clash} would overwrite common.pt's own entries")
+        raise ValueError(f"checkpoint state registered as {clash} would overwrite the checkpoint's own entries")
     return states
 
 
@@ -147,10 +157,31 @@ def _grad_scaler_state(optimizer) -> Optional[dict]:
 
 
 def _is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, _COMMON))
+    # DCP writes its metadata after every rank's data; common.pt came last in format 2.
+    return os.path.isfile(os.path.join(path, _METADATA)) and (
+        os.path.isfile(os.path.join(path, _COMMON)) or not os.path.isdir(os.path.join(path, "rng")))
 
 
 # ---------------------------------------------------------------------- save
+
+
+def _states_to_save(iteration: int, model: nn.Module, optimizer, opt_param_scheduler, extra_state: Optional[dict],
+                    true_vocab_size: Optional[int]) -> dict:
+    """The one DCP dict of a checkpoint: the tensors as shards, every other entry one blob
+    (the same on every rank, which DCP then writes once, except each rank's RNG states)."""
+    states = torch_dcp.sharded_state(model, optimizer)
+    own = {
+        _TRAIN_STATE: {"iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION,
+                       "layout": _layout(),
+                       "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(unwrap_model(model))},
+                       "extra_state": extra_state or {}},
+        "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
+        "grad_scaler": _grad_scaler_state(optimizer),
+        **_model_states(model),
+    }
+    states.update({name: entries.pack(value) for name, value in own.items() if value is not None})
+    states["rng"] = {_rng_key(get_rank_safe()): entries.pack(_rng_state())}
+    return states
 
 
 def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_scheduler=None,
@@ -183,7 +214,7 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
             publish.clean_stale(save_dir, _is_complete)
             tmp = publish.temp_dir_for(final)
             # Before any rank writes into it: the broadcast below orders the two.
-            os.makedirs(os.path.join(tmp, "rng"))
+            os.makedirs(tmp)
         except OSError as exc:
             setup_error = f"{type(exc).__name__}: {exc}"
     tmp, setup_error = broadcast_from_rank0((tmp, setup_error))
@@ -191,28 +222,19 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
         raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {setup_error}")
 
     record = {} if record_checksums else None
-    error = None
+    failed = f"saving checkpoint {final} failed, the previous checkpoint is kept"
+    error, states = None, None
     try:
-        state = torch_dcp.sharded_state(model, optimizer)
-        torch_dcp.save_sharded(state, tmp, record)
-        files = {_rng_name(get_rank_safe()): _serialized(_rng_state())}
-        if get_rank_safe() == 0:
-            files[_COMMON] = _serialized({
-                "iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION, "layout": _layout(),
-                "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
-                "grad_scaler": _grad_scaler_state(optimizer),
-                "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(unwrap_model(model))},
-                # What the model registered to travel with it (utils.register_checkpoint_state).
-                **_model_states(model),
-                "extra_state": extra_state or {}})
-        for name, data in files.items():
-            publish.write_durable(os.path.join(tmp, name), data)
-            if record is not None:
-                record[name] = checksums.checksum_of(data)
-    except (Exception, CheckpointException) as exc:  # DCP reports a failed rank to all ranks
-        error = exc
-    try:
-        core.raise_if_any_failed(error, f"saving checkpoint {final} failed, the previous checkpoint is kept")
+        try:
+            states = _states_to_save(iteration, model, optimizer, opt_param_scheduler, extra_state, true_vocab_size)
+        except Exception as exc:
+            error = exc
+        core.raise_if_any_failed(error, failed)  # every rank enters the collective save, or none
+        try:
+            torch_dcp.save_sharded(states, tmp, record)  # DCP fsyncs its files; publish() the directory
+        except (Exception, CheckpointException) as exc:  # DCP reports a failed rank to all ranks
+            error = exc
+        core.raise_if_any_failed(error, failed)
     except CheckpointError:
         if get_rank_safe() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -292,21 +314,36 @@ def _resolve(load_dir: str, iteration: Optional[int], verify: bool) -> dict:
             return {"missing": f"no checkpoint in {load_dir}: {TRACKER_FILENAME} not found"}
     path = _find_checkpoint(load_dir, iteration)
     if not _is_complete(path):
-        raise CheckpointError(f"checkpoint {path} is missing or incomplete (no {_COMMON})")
+        raise CheckpointError(f"checkpoint {path} is missing or incomplete (no {_METADATA})")
     manifest = checksums.read_manifest(path) if verify else None
     logger.info("loading checkpoint %s (iteration %d, as rank 0 read %s)", path, iteration, load_dir)
     return {"missing": None, "path": path, "manifest": manifest}
 
 
-def _read_common(path: str, optimizer, opt_param_scheduler, load_optim: bool) -> tuple[dict, dict]:
-    """common.pt and the DCP metadata, checked against what is to be loaded."""
-    try:
-        common = torch.load(os.path.join(path, _COMMON), weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {path}: {_COMMON} is corrupt ({exc})") from exc
+def _read_entries(path: str, saved: dict, model: nn.Module) -> dict:
+    """The non-tensor entries, in one dict: the train state's keys, "opt_param_scheduler",
+    "grad_scaler" and what the model registered (None where the checkpoint has none)."""
+    if os.path.isfile(os.path.join(path, _COMMON)):  # format 2: common.pt held them all
+        try:
+            return torch.load(os.path.join(path, _COMMON), weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path}: {_COMMON} is corrupt ({exc})") from exc
+    if _TRAIN_STATE not in saved:
+        raise CheckpointError(f"checkpoint {path} has neither a {_TRAIN_STATE} entry nor {_COMMON}: not a "
+                              "checkpoint of this format")
+    names = [n for n in (_TRAIN_STATE, "opt_param_scheduler", "grad_scaler", *checkpoint_states(model)) if n in saved]
+    blobs = torch_dcp.read_entries(path, names)
+    found = {name: entries.unpack(blob, f"checkpoint {path}: its {name} entry") for name, blob in blobs.items()}
+    train_state = found.pop(_TRAIN_STATE)
+    return {"opt_param_scheduler": None, "grad_scaler": None, **found, **train_state}
+
+
+def _read_common(path: str, model: nn.Module, optimizer, opt_param_scheduler, load_optim: bool) -> tuple[dict, dict]:
+    """The non-tensor entries and the DCP metadata, checked against what is to be loaded."""
+    saved = torch_dcp.read_metadata(path)
+    common = _read_entries(path, saved, model)
     if common.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {common.get('format')!r}, expected {CKPT_FORMAT!r}")
-    saved = torch_dcp.read_metadata(path)
     if load_optim and optimizer is not None and not any(k.startswith("optimizer.") for k in saved):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (it was saved without an "
                               "optimizer): load it with load_optim=False (--no-load-optim)")
@@ -314,6 +351,18 @@ def _read_common(path: str, optimizer, opt_param_scheduler, load_optim: bool) ->
         raise CheckpointError(f"checkpoint {path} holds no learning-rate scheduler state: load it with "
                               "load_optim=False (--no-load-optim), or without a scheduler")
     return common, saved
+
+
+def _read_rng_state(path: str, saved: dict, key: str, format_2_path: str) -> dict:
+    if key in saved:
+        return entries.unpack(torch_dcp.read_entries(path, [key])[key], f"checkpoint {path}: its {key} entry")
+    if not os.path.isfile(format_2_path):
+        raise CheckpointError(f"checkpoint {path} has no RNG state for rank {get_rank_safe()}: load it with "
+                              "load_rng=False (--no-load-rng)")
+    try:
+        return torch.load(format_2_path, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path}: {format_2_path} is corrupt ({exc})") from exc
 
 
 def _grad_scaler_to_load(path: str, common: dict, optimizer, load_optim: bool) -> Optional[dict]:
@@ -420,11 +469,11 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     if verify:
         checksums.verify(path, head)
 
-    # What the checkpoint says about itself (common.pt and the DCP metadata, a few
-    # kilobytes) is checked first: a refusal costs no read of the shards.
+    # What the checkpoint says about itself (the DCP metadata and the non-tensor entries,
+    # a few kilobytes) is checked first: a refusal costs no read of a tensor.
     error, common, saved = None, None, None
     try:
-        common, saved = _read_common(path, optimizer, opt_param_scheduler, load_optim)
+        common, saved = _read_common(path, model, optimizer, opt_param_scheduler, load_optim)
         if check_extra_state is not None:
             check_extra_state(common["extra_state"])
         if load_optim and opt_param_scheduler is not None:
@@ -435,15 +484,15 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     if verify:
         checksums.verify(path, {name: entry for name, entry in manifest.items() if name not in head})
 
-    error, restore_rng, rng_path = None, False, os.path.join(path, _rng_name(get_rank_safe()))
+    error, restore_rng, rng_state = None, False, None
+    rng_key, rng_path = f"rng.{_rng_key(get_rank_safe())}", os.path.join(path, _rng_name(get_rank_safe()))
     try:
         scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
         state, rows, kept = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
                                                    common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
         restore_rng = load_rng and _same_ranks(common["layout"], _layout())
-        if restore_rng and not os.path.isfile(rng_path):
-            raise CheckpointError(f"checkpoint {path} has no RNG state for rank {get_rank_safe()}: load it with "
-                                  "load_rng=False (--no-load-rng)")
+        if restore_rng:  # read now (no tensor): a missing or damaged one stops every rank before the load
+            rng_state = _read_rng_state(path, saved, rng_key, rng_path)
     except CheckpointError as exc:
         error = exc
     core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
@@ -456,8 +505,8 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     if scaler_state is not None:
         optimizer.grad_scaler.load_state_dict(scaler_state)
-    if restore_rng:
-        _set_rng_state(torch.load(rng_path, weights_only=True))
+    if rng_state is not None:
+        _set_rng_state(rng_state)
     return {"iteration": common["iteration"], "extra_state": common["extra_state"], "rng_restored": restore_rng,
             "path": path, "missing": None, "padded_vocab_size": padded}
 
