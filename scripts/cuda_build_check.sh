@@ -7,7 +7,8 @@
 # .venv-cuda/megatron_fsdp_build: the checkout's own megatron_fsdp/_C*.so is
 # not touched), checks the build (it has the CUDA kernels; an error raised in
 # it arrives as an exception), then runs the host-side tests of that build
-# under that torch (no GPU needed: the CUDA kernels' plans run on the host),
+# under that torch (no GPU needed: the CUDA kernels' plans run on the host, and
+# the Triton kernels in Triton's interpreter),
 # from a copy of the tree whose megatron_fsdp/_C*.so is the CUDA build.
 # Nothing is rebuilt when csrc/, setup.py, pyproject.toml, the build check and
 # this script are unchanged; the environment is reused.
@@ -115,7 +116,7 @@ rm -f "$TREE"/megatron_fsdp/_C*.so "$TREE"/megatron_fsdp/_C*.json
 ln -s "$so" "$TREE/megatron_fsdp/$(basename "$so")"
 [ ! -f "$so.build.json" ] || ln -s "$so.build.json" "$TREE/megatron_fsdp/$(basename "$so").build.json"
 tests=(tests/test_device_copy_kernels.py tests/test_kernels.py tests/test_amax_kernel.py
-       tests/test_fsdp_copy_kernels.py)
+       tests/test_fsdp_copy_kernels.py tests/test_triton_activations.py)  # the last: Triton's interpreter
 say "host-side tests of the CUDA build under torch $torch_version: ${tests[*]}"
 t0=$SECONDS
 (

@@ -18,13 +18,13 @@
 # id); the end says "GPU CHECK PASSED" only when every step passed and no CUDA
 # test was skipped, else "GPU CHECK FAILED" with the steps that did not, exit 1.
 # Only a machine with no usable GPU stops it at once. Budget: 9 minutes
-# (GPU_CHECK_BUDGET_S).
+# (GPU_CHECK_BUDGET_S; the steps' reserves below fit in 6, what one H200 took).
 #
 # Steps: build; tests (the CUDA kernel tests, the torch-compatibility pins, the
 # FSDP copy-kernel tests); main_job_bf16 and main_job_fp8 (examples/pretrain_gpt.py
 # on every GPU: save, --exit-interval exit, resume to the end); copy_out_reference;
-# bench_copy_in, bench_amax, bench_gpt_fp8 (JSON lines with a "case" key, in the
-# table; bench_gpt_fp8 gets GPU_CHECK_TIME_LEFT_S seconds).
+# bench_copy_in, bench_amax, bench_activations, bench_gpt_fp8 (JSON lines with a
+# "case" key, in the table; bench_gpt_fp8 gets GPU_CHECK_TIME_LEFT_S seconds).
 
 set -Eeuo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -133,7 +133,7 @@ NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 # ---- 2. build the extension with CUDA, in place ----
 build_extension() {
   rm -f megatron_fsdp/_C*.so
-  limit="$(left 290)"
+  limit="$(left 220)"
   run_logged build "$limit" "$PY" setup.py build_ext --inplace
   grep '^\[megatron_fsdp setup\]' "$OUT_DIR/build.log" >&2 || true
   # An error raised inside the extension must arrive as an exception: a compiler whose C++
@@ -156,13 +156,14 @@ EOF
 # ---- 3. the CUDA tests, the torch pins, the FSDP copy-kernel tests ----
 cuda_tests() {
   local limit
-  limit="$(left 230)"
+  limit="$(left 180)"
   # pytest's exit code is judged from its report below: every failing test by name. -v names each
   # test as it starts, and faulthandler dumps every thread's stack of a test that hangs, so a
   # run cut off by the limit (no report written) still says where it stopped.
   timeout "$limit" "$PY" -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=60 \
     --junitxml="$OUT_DIR/tests.xml" tests/test_device_copy_kernels.py tests/test_amax_kernel.py \
-    tests/test_kernels.py tests/test_torch_compat.py tests/test_fsdp_copy_kernels.py >"$OUT_DIR/tests.log" 2>&1 || true
+    tests/test_kernels.py tests/test_torch_compat.py tests/test_fsdp_copy_kernels.py \
+    tests/test_triton_activations.py >"$OUT_DIR/tests.log" 2>&1 || true
   if [ ! -s "$OUT_DIR/tests.xml" ]; then
     local last
     last="$(grep -oE '^tests/[^ ]+' "$OUT_DIR/tests.log" | tail -n 1 || true)"
@@ -215,8 +216,8 @@ main_job() {  # name reserve extra-flags...: `reserve` seconds stay for the step
   loss="$(grep -o 'lm loss: [0-9.E+-]*' "$OUT_DIR/$name.resume.log" | tail -n 1 || true)"
   echo "[gpu_check] $NGPU GPU(s), TP=$TP x FSDP=$DP: saved at 6, exited, resumed to 12, $loss" >&2
 }
-main_job_bf16() { main_job main_job_bf16 170; }
-main_job_fp8() { main_job main_job_fp8 110 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
+main_job_bf16() { main_job main_job_bf16 130; }
+main_job_fp8() { main_job main_job_fp8 90 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
 
 # torch's own CUDA split_with_sizes_copy (the reference the first GPU run compared our copy-out
 # with) on a transposed output; tests/test_device_copy_kernels.py says why: recorded, not judged.
@@ -242,8 +243,9 @@ bench() {  # name reserve command...
   grep '^{' "$OUT_DIR/$name.log" >"$OUT_DIR/$name.jsonl" || fail "$name printed no results"
   echo "[gpu_check] $(grep -c '^{' "$OUT_DIR/$name.jsonl") results" >&2
 }
-bench_copy_in() { bench bench_copy_in 75 "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
-bench_amax() { bench bench_amax 60 "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
+bench_copy_in() { bench bench_copy_in 70 "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
+bench_amax() { bench bench_amax 55 "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
+bench_activations() { bench bench_activations 45 "$PY" benchmarks/bench_activations.py --device cuda --repeats 20; }
 bench_gpt_fp8() {
   local limit
   limit="$(left 5)"
@@ -267,6 +269,7 @@ else
   record bench_copy_in "NOT RUN" 0 "the extension did not build"
   record bench_amax "NOT RUN" 0 "the extension did not build"
 fi
+step bench_activations bench_activations
 step bench_gpt_fp8 bench_gpt_fp8
 
 # ---- 6. one table: the benchmarks' figures, then every step ----

@@ -12,6 +12,10 @@ and keeps only the inputs for it.
 
 Gated inputs use megatron_fsdp's fc1 layout: gate and up interleave on the
 last dimension (gate = y[..., 0::2], up = y[..., 1::2]); see MLP.
+
+On CUDA, forward and backward are one Triton kernel each
+(triton_activations.py: the same formulas, per element, in fp32); the eager
+code below runs elsewhere (the CPU) and is the kernels' test reference.
 """
 
 from __future__ import annotations
@@ -72,6 +76,23 @@ def _backward_fp32(g: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
     return _interleave(g * sig * (1 + gate * (1 - sig)) * up, g * F.silu(gate))
 
 
+_triton_kernels = None  # triton_activations once imported; False where Triton is missing
+
+
+def _kernels_for(y: torch.Tensor):
+    """triton_activations for a CUDA tensor when Triton is there, else None (the eager path)."""
+    global _triton_kernels
+    if y.device.type != "cuda":
+        return None
+    if _triton_kernels is None:
+        try:
+            from . import triton_activations
+            _triton_kernels = triton_activations
+        except ImportError:  # a CUDA torch without Triton
+            _triton_kernels = False
+    return _triton_kernels or None
+
+
 class BiasActivationFunction(torch.autograd.Function):
     """act(y + bias) as Megatron's fused bias-GELU / bias-GeGLU / bias-SwiGLU compute it."""
 
@@ -79,12 +100,19 @@ class BiasActivationFunction(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, bias: Optional[torch.Tensor], kind: str) -> torch.Tensor:
         ctx.save_for_backward(y, bias)
         ctx.kind = kind
+        kernels = _kernels_for(y)
+        if kernels is not None:
+            return kernels.bias_act_fwd(y, bias, kernels.CODES[kind], "interleaved")
         return _forward_fp32(_biased_fp32(y, bias), kind).to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         y, bias = ctx.saved_tensors
-        grad = _backward_fp32(grad_output.float(), _biased_fp32(y, bias), ctx.kind).to(y.dtype)
+        kernels = _kernels_for(y)
+        if kernels is not None:
+            grad = kernels.bias_act_bwd(grad_output, y, bias, kernels.CODES[ctx.kind], "interleaved")
+        else:
+            grad = _backward_fp32(grad_output.float(), _biased_fp32(y, bias), ctx.kind).to(y.dtype)
         # Megatron returns the same tensor for the bias and autograd sums it over the tokens.
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:

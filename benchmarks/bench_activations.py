@@ -1,0 +1,162 @@
+"""Fused bias-activation on and off: one MLP (fc1, activation, fc2) forward and
+backward, as megatron_fsdp.transformer.MLP runs it.
+
+    python benchmarks/bench_activations.py [--device cpu|cuda] [--repeats 20] [--preset 1b|8b|tiny]
+
+Arms, per activation (SwiGLU without bias as in Llama, and bias-GELU):
+  unfused       bias_activation_fusion=False: the activation in the parameters' dtype,
+                one kernel per op (what a run with --no-bias-swiglu-fusion does)
+  fused_eager   bias_activation_fusion=True on the eager path: Megatron's fp32 arithmetic
+                in separate ops (what the fusion cost before the kernels, and on the CPU)
+  fused         bias_activation_fusion=True: one Triton kernel each way (CUDA only)
+
+The arm times are the MLP's forward + backward (with the GEMMs, as a layer pays
+them), and the activation alone (forward + backward of the activation function
+on fc1's output). Arms alternate in rounds; each arm's best round is reported,
+in ms. One JSON line per case: "ours_ms" is the fused arm (the eager one on the
+CPU), "torch_ms" the unfused one, "torch_over_ours" their ratio (> 1: the
+fusion pays).
+Presets: 1b (hidden 2048, ffn 8192, 8192 tokens: the Llama-1B-like shape of
+issue 19), 8b (hidden 4096, ffn 14336, 4096 tokens), tiny (the CPU's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_fsdp import parallel_state
+from megatron_fsdp.transformer import TransformerConfig, fused_activations
+from megatron_fsdp.transformer.mlp import MLP
+
+PRESETS = {"1b": (2048, 8192, 8192), "8b": (4096, 14336, 4096), "tiny": (64, 256, 256)}  # hidden, ffn, tokens
+
+
+def _timed_rounds(arms: dict, repeats: int, device: torch.device) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in arms.values():  # warm-up (Triton compiles here)
+        fn()
+        fn()
+    sync()
+    best = {name: float("inf") for name in arms}
+    for _ in range(repeats):
+        for name, fn in arms.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: round(t * 1000, 3) for name, t in best.items()}
+
+
+class _EagerPath:
+    """bias_activation on the eager fp32 path even for CUDA tensors."""
+
+    def __enter__(self):
+        self._saved = fused_activations._kernels_for
+        fused_activations._kernels_for = lambda t: None
+
+    def __exit__(self, *exc):
+        fused_activations._kernels_for = self._saved
+
+
+def _mlp(kind: str, fusion: bool, hidden: int, ffn: int, device, dtype) -> MLP:
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=ffn,
+                               gated_linear_unit=kind == "swiglu",
+                               activation_func=F.silu if kind == "swiglu" else F.gelu,
+                               add_bias_linear=kind == "gelu", bias_activation_fusion=fusion,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16, hidden_dropout=0.0)
+    return MLP(config).to(device)
+
+
+def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, dtype) -> dict:
+    x = torch.randn(tokens, 1, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, 1, hidden, device=device, dtype=dtype)
+    mlps = {"unfused": _mlp(kind, False, hidden, ffn, device, dtype), "fused": _mlp(kind, True, hidden, ffn, device,
+                                                                                  dtype)}
+    eager = _EagerPath()
+
+    def mlp_step(mlp, eager_path=False):
+        def step():
+            if eager_path:
+                eager.__enter__()
+            try:
+                out, _ = mlp(x)
+                out.backward(grad)
+            finally:
+                if eager_path:
+                    eager.__exit__()
+        return step
+
+    fc1_out, fc1_bias = mlps["fused"].linear_fc1(x)
+    fc1_out = fc1_out.detach().requires_grad_()
+    width = fc1_out.shape[-1] // (2 if kind == "swiglu" else 1)
+    act_grad = torch.randn(tokens, 1, width, device=device, dtype=dtype)
+
+    def act_step(how):
+        def step():
+            if how == "unfused":
+                y = fc1_out + fc1_bias if fc1_bias is not None else fc1_out
+                if kind == "swiglu":
+                    pairs = y.unflatten(-1, (-1, 2))
+                    out = F.silu(pairs[..., 0]) * pairs[..., 1]
+                else:
+                    out = F.gelu(y)
+            else:
+                if how == "fused_eager":
+                    eager.__enter__()
+                try:
+                    out = fused_activations.bias_activation(fc1_out, fc1_bias, kind)
+                finally:
+                    if how == "fused_eager":
+                        eager.__exit__()
+            out.backward(act_grad)
+        return step
+
+    arms = {"unfused": mlp_step(mlps["unfused"]), "fused_eager": mlp_step(mlps["fused"], eager_path=True),
+            "act/unfused": act_step("unfused"), "act/fused_eager": act_step("fused_eager")}
+    if device.type == "cuda" and fused_activations._kernels_for(fc1_out) is not None:
+        arms["fused"] = mlp_step(mlps["fused"])
+        arms["act/fused"] = act_step("fused")
+    ms = _timed_rounds(arms, repeats, device)
+    ours = "fused" if "fused" in ms else "fused_eager"
+    return {"case": f"mlp/{kind}/{hidden}x{ffn}x{tokens}/{str(dtype).split('.')[-1]}",
+            "ours_ms": ms[ours], "torch_ms": ms["unfused"], "torch_over_ours": round(ms["unfused"] / ms[ours], 3),
+            "fused_eager_ms": ms["fused_eager"], "activation_ms": ms[f"act/{ours}"],
+            "activation_unfused_ms": ms["act/unfused"], "activation_fused_eager_ms": ms["act/fused_eager"],
+            "arm": ours, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    presets = [args.preset] if args.preset else (["1b", "8b"] if device.type == "cuda" else ["tiny"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # The MLP's parallel linears ask parallel_state for their TP group: one process, TP=1.
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+        try:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+            for preset in presets:
+                hidden, ffn, tokens = PRESETS[preset]
+                for kind in ("swiglu", "gelu"):
+                    print(json.dumps(bench(kind, hidden, ffn, tokens, args.repeats, device, dtype)), flush=True)
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

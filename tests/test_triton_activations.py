@@ -1,0 +1,126 @@
+"""The Triton kernels of the fused bias-GELU / GeGLU / SwiGLU against the eager
+fp32 path (Megatron's formulas, fused_activations.py), forward and backward,
+in both fc1 layouts, with and without bias, in fp32, bf16 and fp16.
+
+On a GPU they run as CUDA kernels. Without one (a CUDA build of torch with
+Triton, as scripts/cuda_build_check.sh runs them) Triton's interpreter runs
+the same kernels on CPU tensors: the indexing, masking, layouts and arithmetic
+are the kernels', only the compiler is not. Skipped where Triton is missing
+(the CPU build of torch).
+"""
+
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+triton = pytest.importorskip("triton", reason="Triton is not installed (a CPU build of torch)")
+
+from megatron_fsdp.transformer import fused_activations  # noqa: E402
+from megatron_fsdp.transformer import triton_activations as ta  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+# fp32: the reference's own rounding where tanh nears +-1 (it forms 1 + t and 1 - t * t from a
+# rounded t; the kernels compute both without cancellation) bounds the difference: at most about
+# 1e-7 * |x|^3 * |grad| for the GELU derivative, 5e-6 absolute in these cases; an ulp of the value
+# elsewhere. bf16/fp16: the same fp32 value rounded once, so at most an ulp of the dtype apart.
+TOLERANCE = {torch.float32: dict(rtol=4e-6, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
+             torch.float16: dict(rtol=1e-3, atol=1e-5)}
+
+
+def _interleaved(y, layout):
+    """The eager reference reads the interleaved layout: the blocked one converted to it."""
+    if layout == "interleaved":
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def _case(kind, dtype, bias, rows=37, width=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    C = 2 * width if kind != "gelu" else width
+    y = (torch.randn(rows, 3, C, generator=g) * 3).to(dtype)
+    y.view(-1)[:6] = torch.tensor([0.0, -0.0, 30.0, -30.0, 1e-4, -12.0])  # tanh's ends, small values
+    b = (torch.randn(C, generator=g)).to(dtype) if bias else None
+    return y.to(DEVICE), (b.to(DEVICE) if b is not None else None)
+
+
+@pytest.mark.parametrize("kind", ["gelu", "geglu", "swiglu"])
+@pytest.mark.parametrize("layout", ["interleaved", "blocked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernels_match_the_eager_fp32_formulas(kind, layout, dtype, bias):
+    if kind == "gelu" and layout == "blocked":
+        pytest.skip("layouts are of gated inputs")
+    y, b = _case(kind, dtype, bias)
+    out = ta.bias_act_fwd(y, b, ta.CODES[kind], layout)
+    yi = _interleaved(y, layout)
+    bi = _interleaved(b, layout) if b is not None else None
+    x = fused_activations._biased_fp32(yi, bi)
+    want = fused_activations._forward_fp32(x, kind).to(dtype)
+    assert out.dtype == dtype and out.shape == want.shape
+    torch.testing.assert_close(out, want, **TOLERANCE[dtype])
+
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    dy = ta.bias_act_bwd(grad_out, y, b, ta.CODES[kind], layout)
+    want_dy = fused_activations._backward_fp32(grad_out.float(), x, kind).to(dtype)
+    torch.testing.assert_close(_interleaved(dy, layout), want_dy, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("kind", ["gelu", "geglu", "swiglu"])
+def test_autograd_takes_the_kernels_and_gives_the_eager_gradients(kind, monkeypatch):
+    y, b = _case(kind, torch.float32, bias=True, rows=5, width=40)
+    grad_out = torch.randn(5, 3, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    results = []
+    for use_kernels in (False, True):
+        monkeypatch.setattr(fused_activations, "_kernels_for", lambda t: ta if use_kernels else None)
+        yy, bb = y.clone().requires_grad_(), b.clone().requires_grad_()
+        out = fused_activations.bias_activation(yy, bb, kind)
+        out.backward(grad_out)
+        results.append((out.detach(), yy.grad, bb.grad))
+    for eager, kernel in zip(*results):
+        torch.testing.assert_close(kernel, eager, **TOLERANCE[torch.float32])
+
+
+def test_only_cuda_tensors_take_the_kernels():
+    assert fused_activations._kernels_for(torch.ones(2)) is None
+    if ON_GPU:
+        assert fused_activations._kernels_for(torch.ones(2, device="cuda")) is ta
+
+
+def test_bad_arguments_are_named():
+    y = torch.ones(4, 7, device=DEVICE)
+    with pytest.raises(ValueError, match="gated activation needs an even last dimension"):
+        ta.bias_act_fwd(y, None, ta.SWIGLU, "interleaved")
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\), expected \(8,\)"):
+        ta.bias_act_fwd(torch.ones(4, 8, device=DEVICE), torch.ones(3, device=DEVICE), ta.GEGLU, "interleaved")
+    with pytest.raises(ValueError, match="layout='rows', allowed"):
+        ta.bias_act_fwd(torch.ones(4, 8, device=DEVICE), None, ta.GEGLU, "rows")
+    with pytest.raises(ValueError, match=r"grad_out has shape \(4, 8\), expected \(4, 4\)"):
+        ta.bias_act_bwd(torch.ones(4, 8, device=DEVICE), torch.ones(4, 8, device=DEVICE), None, ta.SWIGLU,
+                        "blocked")
+
+
+def test_empty_input():
+    y = torch.ones(0, 8, device=DEVICE)
+    assert ta.bias_act_fwd(y, None, ta.SWIGLU, "blocked").shape == (0, 4)
+    assert ta.bias_act_bwd(torch.ones(0, 4, device=DEVICE), y, None, ta.SWIGLU, "blocked").shape == (0, 8)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch.compile of a Triton op needs the GPU")
+@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+def test_the_kernels_compose_with_torch_compile(kind):
+    y, b = _case(kind, torch.bfloat16, bias=kind == "gelu")
+    grad_out = torch.randn(*y.shape[:-1], y.shape[-1] // (2 if kind == "swiglu" else 1), device=DEVICE,
+                           dtype=torch.bfloat16)
+    results = []
+    for fn in (fused_activations.bias_activation, torch.compile(fused_activations.bias_activation, fullgraph=True)):
+        yy = y.clone().requires_grad_()
+        out = fn(yy, b, kind)
+        out.backward(grad_out)
+        results.append((out, yy.grad))
+    for eager, compiled in zip(*results):
+        assert torch.equal(compiled, eager)
