@@ -25,10 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-# Megatron's rounded constants: sqrt(2 / pi) and sqrt(2 / pi) * 3 * 0.044715.
-_SQRT_2_OVER_PI = 0.79788456
-_CUBIC = 0.044715
-_CUBIC_GRAD = 0.1070322243
+from .gelu_constants import CUBIC as _CUBIC, CUBIC_GRAD as _CUBIC_GRAD, SQRT_2_OVER_PI as _SQRT_2_OVER_PI
 
 KINDS = ("gelu", "geglu", "swiglu")
 

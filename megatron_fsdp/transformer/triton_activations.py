@@ -3,7 +3,7 @@ each way (CUDA tensors; fused_activations.py keeps the eager path for the CPU).
 
 Each element is computed in fp32 from the input (and bias) and rounded to the
 input dtype once, with Megatron's formulas and closed-form derivatives (the
-constants are fused_activations'); backward reads the saved fc1 output and
+constants are gelu_constants'); backward reads the saved fc1 output and
 the incoming gradient and writes the fc1 gradient in one pass, gate and up
 together. So a gated activation costs one read of fc1's output and one write
 of half its size forward, one read of each and one write of fc1's size
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from .fused_activations import _CUBIC, _CUBIC_GRAD, _SQRT_2_OVER_PI
+from .gelu_constants import CUBIC as _CUBIC, CUBIC_GRAD as _CUBIC_GRAD, SQRT_2_OVER_PI as _SQRT_2_OVER_PI
 
 # kind codes (constexpr in the kernels)
 GELU, GEGLU, SWIGLU = 0, 1, 2
