@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import time
 from contextlib import contextmanager
@@ -118,3 +119,31 @@ def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     dist.barrier()
+
+
+def dense_bf16_tflops(device: torch.device, n: int) -> float:
+    """The bf16 matmul rate this device reaches on n x n operands."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    reps = 20 if device.type == "cuda" else 3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def single_process_defaults() -> None:
+    """Let `python <benchmark>.py` run as a world of one, as torchrun would start it."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

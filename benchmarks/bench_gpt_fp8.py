@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
-import time
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from _common import add_gpt_arguments, build_gpt, device_name, gpt_benchmark_job, time_arms_in_rounds
+from _common import (add_gpt_arguments, build_gpt, dense_bf16_tflops, device_name, gpt_benchmark_job,
+                     single_process_defaults, time_arms_in_rounds)
 from megatron_fsdp import parallel_state
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -45,23 +43,6 @@ ARMS = {  # name: (TransformerConfig fields, fp8_param_gather)
     "fp8": (dict(fp8="e4m3", fp8_recipe="tensorwise"), False),
     "fp8 + fp8 gather": (dict(fp8="e4m3", fp8_recipe="tensorwise"), True),
 }
-
-
-def dense_bf16_tflops(device: torch.device, n: int) -> float:
-    """The bf16 matmul rate this device reaches on n x n operands."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    reps = 20 if device.type == "cuda" else 3
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
 
 
 class CountAllGatherBytes:
@@ -88,17 +69,6 @@ class CountAllGatherBytes:
 GPU_PRESET = dict(layers=4, hidden=4096, heads=32, seq=2048, micro_batch=2, vocab=32768, rounds=3)
 
 
-def _single_process_defaults() -> None:
-    """Let `python bench_gpt_fp8.py` run as a world of one, as torchrun would start it."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def main():
     p = argparse.ArgumentParser()
     add_gpt_arguments(p, steps_per_round=2)
@@ -112,7 +82,7 @@ def main():
     if args.preset == "gpu":
         p.set_defaults(**GPU_PRESET)
         args = p.parse_args(argv)
-    _single_process_defaults()
+    single_process_defaults()
 
     with gpt_benchmark_job(args) as base_config:
         import dataclasses

@@ -23,8 +23,10 @@
 # Steps: build; tests (the CUDA kernel tests, the torch-compatibility pins, the
 # FSDP copy-kernel tests); main_job_bf16 and main_job_fp8 (examples/pretrain_gpt.py
 # on every GPU: save, --exit-interval exit, resume to the end); copy_out_reference;
-# bench_copy_in, bench_amax, bench_activations, bench_gpt_fp8 (JSON lines with a
-# "case" key, in the table; bench_gpt_fp8 gets GPU_CHECK_TIME_LEFT_S seconds).
+# bench_copy_in, bench_amax, bench_activations, bench_e2e, bench_gpt_fp8 (JSON lines
+# with a "case" key, in the table; bench_gpt_fp8 gets GPU_CHECK_TIME_LEFT_S seconds).
+# bench_e2e (the 1B GPT: our API, pretrain_gpt.py and plain FSDP2, eager and
+# compiled) is given GPU_CHECK_E2E_S seconds (default 210; 0 skips it).
 
 set -Eeuo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +34,7 @@ cd "$ROOT"
 PY="$(command -v "${PYTHON:-python3}")"
 OUT_DIR="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
+E2E_S="${GPU_CHECK_E2E_S:-210}"  # kept for bench_e2e by every step before it
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export MEGATRON_FSDP_REQUIRE_EXTENSION=1
@@ -133,7 +136,7 @@ NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 # ---- 2. build the extension with CUDA, in place ----
 build_extension() {
   rm -f megatron_fsdp/_C*.so
-  limit="$(left 220)"
+  limit="$(left $((220 + E2E_S)))"
   run_logged build "$limit" "$PY" setup.py build_ext --inplace
   grep '^\[megatron_fsdp setup\]' "$OUT_DIR/build.log" >&2 || true
   # An error raised inside the extension must arrive as an exception: a compiler whose C++
@@ -156,7 +159,7 @@ EOF
 # ---- 3. the CUDA tests, the torch pins, the FSDP copy-kernel tests ----
 cuda_tests() {
   local limit
-  limit="$(left 180)"
+  limit="$(left $((180 + E2E_S)))"
   # pytest's exit code is judged from its report below: every failing test by name. -v names each
   # test as it starts, and faulthandler dumps every thread's stack of a test that hangs, so a
   # run cut off by the limit (no report written) still says where it stopped.
@@ -216,8 +219,8 @@ main_job() {  # name reserve extra-flags...: `reserve` seconds stay for the step
   loss="$(grep -o 'lm loss: [0-9.E+-]*' "$OUT_DIR/$name.resume.log" | tail -n 1 || true)"
   echo "[gpu_check] $NGPU GPU(s), TP=$TP x FSDP=$DP: saved at 6, exited, resumed to 12, $loss" >&2
 }
-main_job_bf16() { main_job main_job_bf16 130; }
-main_job_fp8() { main_job main_job_fp8 90 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
+main_job_bf16() { main_job main_job_bf16 $((130 + E2E_S)); }
+main_job_fp8() { main_job main_job_fp8 $((90 + E2E_S)) --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
 
 # torch's own CUDA split_with_sizes_copy (the reference the first GPU run compared our copy-out
 # with) on a transposed output; tests/test_device_copy_kernels.py says why: recorded, not judged.
@@ -243,9 +246,10 @@ bench() {  # name reserve command...
   grep '^{' "$OUT_DIR/$name.log" >"$OUT_DIR/$name.jsonl" || fail "$name printed no results"
   echo "[gpu_check] $(grep -c '^{' "$OUT_DIR/$name.jsonl") results" >&2
 }
-bench_copy_in() { bench bench_copy_in 70 "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
-bench_amax() { bench bench_amax 55 "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
-bench_activations() { bench bench_activations 45 "$PY" benchmarks/bench_activations.py --device cuda --repeats 20; }
+bench_copy_in() { bench bench_copy_in $((70 + E2E_S)) "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
+bench_amax() { bench bench_amax $((55 + E2E_S)) "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
+bench_activations() { bench bench_activations $((45 + E2E_S)) "$PY" benchmarks/bench_activations.py --device cuda --repeats 20; }
+bench_e2e() { bench bench_e2e 40 "$PY" benchmarks/bench_e2e.py --preset 1b --steps 10 --pretrain; }
 bench_gpt_fp8() {
   local limit
   limit="$(left 5)"
@@ -270,6 +274,11 @@ else
   record bench_amax "NOT RUN" 0 "the extension did not build"
 fi
 step bench_activations bench_activations
+if [ "$E2E_S" -gt 0 ]; then
+  step bench_e2e bench_e2e
+else
+  record bench_e2e "NOT RUN" 0 "GPU_CHECK_E2E_S=0"
+fi
 step bench_gpt_fp8 bench_gpt_fp8
 
 # ---- 6. one table: the benchmarks' figures, then every step ----
