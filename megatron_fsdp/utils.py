@@ -78,7 +78,8 @@ def non_finite_ranks(loss: Optional[torch.Tensor] = None, grads=None, *, device:
                      group: Optional[dist.ProcessGroup] = None) -> tuple[list[int], list[int]]:
     """(global ranks whose loss is not finite, ranks holding a non-finite
     gradient), the same on every rank of `group`, with one all-reduce for
-    both. `grads` are this rank's local shards (DTensors are read locally)."""
+    both and one read of its result (the step's only wait for the device
+    here). `grads` are this rank's local shards (DTensors are read locally)."""
     grads = [(g.to_local() if hasattr(g, "to_local") else g).detach() for g in (grads or ())]
     if device is None:
         device = loss.device if loss is not None else (grads[0].device if grads else None)
@@ -86,14 +87,16 @@ def non_finite_ranks(loss: Optional[torch.Tensor] = None, grads=None, *, device:
     world = dist.get_world_size(group) if distributed else 1
     rank = dist.get_rank(group) if distributed else 0
     flags = torch.zeros(2, world, device=device)
-    flags[0, rank] = 0.0 if loss is None or bool(torch.isfinite(loss.detach()).all()) else 1.0
-    # The inf-norm is each tensor's max |x|: inf if any element is, NaN if any is.
-    finite = not grads or bool(torch.stack(_torch_compat.foreach_norm(grads, float("inf"))).isfinite().all())
-    flags[1, rank] = 0.0 if finite else 1.0
+    if loss is not None:
+        flags[0, rank] = (~torch.isfinite(loss.detach())).any().to(flags.dtype)
+    if grads:
+        # The inf-norm is each tensor's max |x|: inf if any element is, NaN if any is.
+        norms = torch.stack(_torch_compat.foreach_norm(grads, float("inf")))
+        flags[1, rank] = (~torch.isfinite(norms)).any().to(device=flags.device, dtype=flags.dtype)
     if distributed:
         dist.all_reduce(flags, group=group)
     to_global = (lambda r: dist.get_global_rank(group, r)) if distributed and group is not None else (lambda r: r)
-    bad_loss, bad_grad = (flags[i].nonzero().flatten().tolist() for i in range(2))
+    bad_loss, bad_grad = ([r for r, bad in enumerate(row) if bad] for row in flags.tolist())
     return [to_global(r) for r in bad_loss], [to_global(r) for r in bad_grad]
 
 

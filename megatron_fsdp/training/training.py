@@ -234,7 +234,8 @@ def padded_vocab_warning(saved_rows: int, rows: int, tp: int) -> str:
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                forward_backward_func, iteration: Optional[int] = None, beacon: Optional[ProgressBeacon] = None):
     """One iteration (`iteration` iterations are done before it). Returns
-    (loss dict of floats, skipped_iter, grad_norm, num_zeros_in_grad)."""
+    (loss dict of 0-dim tensors on the device, skipped_iter, grad_norm, num_zeros_in_grad):
+    as in Megatron-LM the losses are read on the host only where they are logged."""
     args = get_args()
     mark = beacon.mark if beacon is not None else (lambda phase: None)
     current = (iteration or 0) + 1
@@ -264,9 +265,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     return _reduce_losses(reports), int(not update_successful), grad_norm, num_zeros_in_grad
 
 
-def _reduce_losses(reports: list[dict]) -> dict[str, float]:
+def _reduce_losses(reports: list[dict]) -> dict[str, torch.Tensor]:
     """Megatron's reduction of the loss reports: [sum, tokens] pairs summed
-    over microbatches and data-parallel ranks, single values averaged over microbatches."""
+    over microbatches and data-parallel ranks, single values averaged over microbatches.
+    Device tensors: reading them here would synchronize every step."""
     reduced = {}
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     for key in reports[0]:
@@ -274,9 +276,9 @@ def _reduce_losses(reports: list[dict]) -> dict[str, float]:
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0).to(parallel_state.get_device())
             torch.distributed.all_reduce(total, group=group)
-            reduced[key] = (total[0] / total[1]).item()
+            reduced[key] = total[0] / total[1]
         else:
-            reduced[key] = torch.cat(values).mean().item()
+            reduced[key] = torch.cat(values).mean()
     return reduced
 
 
@@ -353,7 +355,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             flops += num_floating_point_operations(args, batch_size)
             beacon.mark(f"iteration {iteration}: logging, evaluation, checkpoint and exit checks")
             logger.training_log(loss_dict, optimizer.param_groups[0]["lr"], iteration,
-                                float(optimizer.get_loss_scale().item()), skipped_iter, grad_norm,
+                                optimizer.get_loss_scale(), skipped_iter, grad_norm,
                                 calc_params_l2_norm(model) if args.log_params_norm else None, num_zeros, batch_size)
             if iteration == start_iteration + 1:
                 report_memory(f"(after {iteration} iterations)")

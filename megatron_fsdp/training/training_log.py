@@ -66,8 +66,18 @@ def build_wandb_writer(args):
     return wandb
 
 
+def _host(value) -> float:
+    """A logged value on the host: a device tensor is read (a synchronization) only here."""
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
 class TrainingLogger:
-    """Accumulates iterations between log lines and writes the line and the scalars."""
+    """Accumulates iterations between log lines and writes the line and the scalars.
+
+    Losses and the loss scale may be device tensors: they are summed (and checked for
+    NaN) on the device and read only at --log-interval and --tensorboard-log-interval
+    iterations, so a step between them costs no synchronization here (Megatron-LM's
+    training_log reads them at the same intervals)."""
 
     def __init__(self, args, tensorboard_writer=None, wandb_writer=None, clock=time.perf_counter):
         self.args = args
@@ -78,8 +88,9 @@ class TrainingLogger:
 
     def _reset_window(self) -> None:
         self.window_start = self.clock()
-        self.loss_sums: dict[str, float] = {}
+        self.loss_sums: dict = {}  # key -> float or device tensor
         self.advanced = self.skipped = self.nan = 0
+        self.nan_on_device = None  # iterations whose device losses were not finite, counted there
 
     def pause(self) -> float:
         """Evaluation time does not count as training time: returns the pause start."""
@@ -96,14 +107,20 @@ class TrainingLogger:
         if self.wandb is not None:
             self.wandb.log({name: value}, iteration)
 
-    def training_log(self, loss_dict: dict[str, float], learning_rate: float, iteration: int, loss_scale: float,
+    def training_log(self, loss_dict: dict, learning_rate: float, iteration: int, loss_scale,
                      skipped_iter: int, grad_norm: Optional[float], params_norm: Optional[float],
                      num_zeros_in_grad: Optional[int], batch_size: int) -> None:
         """Record one finished iteration; print and write at the intervals."""
         args = self.args
         samples = args.consumed_train_samples
-        values = list(loss_dict.values()) + ([grad_norm] if grad_norm is not None else [])
-        self.nan += int(not all(math.isfinite(v) for v in values))
+        on_host = [v for v in loss_dict.values() if not isinstance(v, torch.Tensor)]
+        on_host += [grad_norm] if grad_norm is not None else []
+        on_device = [v.detach().float().reshape(()) for v in loss_dict.values() if isinstance(v, torch.Tensor)]
+        if not all(math.isfinite(v) for v in on_host):
+            self.nan += 1
+        elif on_device:
+            bad = (~torch.isfinite(torch.stack(on_device))).any().int()
+            self.nan_on_device = bad if self.nan_on_device is None else self.nan_on_device + bad
         if skipped_iter:
             self.skipped += 1
         else:
@@ -115,9 +132,9 @@ class TrainingLogger:
             self._scalar("learning-rate", learning_rate, iteration, samples)
             self._scalar("batch-size", batch_size, iteration, samples)
             for key, value in loss_dict.items():
-                self._scalar(key, value, iteration, samples)
+                self._scalar(key, _host(value), iteration, samples)
             if args.log_loss_scale_to_tensorboard:
-                self._scalar("loss-scale", loss_scale, iteration, samples)
+                self._scalar("loss-scale", _host(loss_scale), iteration, samples)
             if args.log_world_size_to_tensorboard:
                 self._scalar("world-size", args.world_size, iteration, samples)
             for name, value in (("grad-norm", grad_norm), ("num-zeros", num_zeros_in_grad),
@@ -151,16 +168,17 @@ class TrainingLogger:
                      f" throughput per GPU (tokens/s/GPU): {tokens:.1f} |")
         line += f" learning rate: {learning_rate:.6E} | global batch size: {batch_size:5d} |"
         for key, total in self.loss_sums.items():
-            line += f" {key}: {total / max(1, self.advanced):.6E} |"
-        line += f" loss scale: {loss_scale:.1f} |"
+            line += f" {key}: {_host(total) / max(1, self.advanced):.6E} |"
+        line += f" loss scale: {_host(loss_scale):.1f} |"
         if grad_norm is not None:
             line += f" grad norm: {grad_norm:.3f} |"
         if num_zeros_in_grad is not None:
             line += f" num zeros: {num_zeros_in_grad} |"
         if params_norm is not None:
             line += f" params norm: {params_norm:.3f} |"
+        nan = self.nan + (int(self.nan_on_device.item()) if self.nan_on_device is not None else 0)
         line += (f" number of skipped iterations: {self.skipped:3d} |"
-                 f" number of nan iterations: {self.nan:3d} |")
+                 f" number of nan iterations: {nan:3d} |")
         print_rank_last(line)
         self._reset_window()
 
