@@ -118,11 +118,19 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     process-wide, so once one wrapped model asks, every `fully_shard` module of
     the process runs them until `kernels.fsdp_copy_ops.disable_fsdp_copy_kernels()`.
     False (the default) leaves stock FSDP2. A torch whose copy-op schemas
-    differ, or a missing extension, keeps torch's path with one warning."""
+    differ, or a missing extension, keeps torch's path with one warning.
+
+    torch_compile: True compiles each unit that is a TransformerLayer with
+    torch.compile before it is sharded (torchtitan's per-block compile;
+    `nn.Module.compile`, so the layer keeps its type and its parameter
+    names, and checkpoints are the same). The first steps pay the
+    compilation; FSDP2's all-gathers and reduce-scatters stay outside the
+    compiled graphs. False (the default) runs the layers eagerly."""
 
     reshard_after_forward: bool | int = True
     accumulate_unsharded_grads_in_no_sync: bool = False
     fsdp_copy_kernels: bool = False
+    torch_compile: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -133,6 +141,6 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             )
         if self.fp8_param_gather:
             check_fp8_reshard(value)
-        for name in ("accumulate_unsharded_grads_in_no_sync", "fsdp_copy_kernels"):
+        for name in ("accumulate_unsharded_grads_in_no_sync", "fsdp_copy_kernels", "torch_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

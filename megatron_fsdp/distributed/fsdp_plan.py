@@ -6,6 +6,7 @@
         cast_master_weights_to_fp32   mixed precision keeps fp32 shards, gathers bf16/fp16
         convert_fp8                   config.fp8: the fp8 converter (fp8/convert.py); with
                                       fp8_param_gather the linear weights gather as fp8
+        compile_layers                torch_compile: each TransformerLayer unit compiled
         shard_units                   fully_shard each unit bottom-up, then the root
         materialize_meta_parameters   a meta-device model gets its shards and initial values
         compute_fp8_scales            the fp8 weights' first scales (collective)
@@ -55,6 +56,7 @@ class FSDPPlan:
     explicit_backward_prefetch: bool  # activation recomputation confuses the implicit order
     materialize_on: Optional[torch.device]  # the model is on the meta device: materialize here
     copy_kernels: bool  # install megatron_fsdp's kernels behind FSDP2's copy ops (process-wide)
+    compiled: tuple = ()  # the units torch_compile compiles (TransformerLayers), in forward order
 
 
 def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterable[type],
@@ -71,7 +73,9 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
     _check_reshard_size(module, mesh, reshard_after_forward)
     check_fp8_param_gather(config, ddp_config, reshard_after_forward)
     linears_to_convert(module, config)  # fp8's GEMM shape rule, before anything changes
+    check_torch_compile(config, ddp_config)
     units = () if disable_bucketing else _units(module, wrap_classes)
+    compiled = _layers_to_compile(ddp_config, module, units)
     if process_group is None:
         process_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     on_meta = any(p.device.type == "meta" for p in module.parameters())
@@ -88,6 +92,7 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         explicit_backward_prefetch=getattr(config, "recompute_granularity", None) is not None,
         materialize_on=_materialization_device(mesh) if on_meta else None,
         copy_kernels=getattr(ddp_config, "fsdp_copy_kernels", False),
+        compiled=compiled,
     )
 
 
@@ -96,6 +101,7 @@ def apply_fsdp_plan(module: nn.Module, plan: FSDPPlan) -> None:
     tp_attributes = snapshot_tp_attributes(module)
     cast_master_weights_to_fp32(module, plan)
     convert_fp8(module, plan)
+    compile_layers(plan)
     shard_units(module, plan)
     materialize_meta_parameters(module, plan)
     compute_fp8_scales(module, plan)
@@ -132,6 +138,13 @@ def convert_fp8(module: nn.Module, plan: FSDPPlan) -> None:
         convert_to_fp8(module, plan.fp8_config)
     if plan.fp8_param_gather:
         convert_to_fp8_weights(module)
+
+
+def compile_layers(plan: FSDPPlan) -> None:
+    """Before fully_shard (after the fp8 conversion, which the graphs then include): FSDP2's
+    hooks run around each compiled layer, its collectives outside the graph."""
+    for layer in plan.compiled:
+        layer.compile()
 
 
 def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
@@ -229,6 +242,28 @@ def _data_parallel_mesh(ddp_config, module: nn.Module, process_group: Optional[d
     if instances > 1:
         return parallel_state.get_hybrid_data_parallel_mesh()
     return parallel_state.get_data_parallel_mesh(with_context_parallel=True)
+
+
+def check_torch_compile(config, ddp_config) -> None:
+    """The combinations per-layer compile cannot serve (configuration only: every rank alike).
+    FSDP2, TP with sequence parallelism, activation recomputation, fp32, bf16 and fp16
+    compose (tests/test_torch_compile.py); fp8 does not yet."""
+    if getattr(ddp_config, "torch_compile", False) and getattr(config, "fp8", None) is not None:
+        raise NotImplementedError(
+            "per-layer compilation (torch_compile) with fp8 training is not supported yet: its amax and cast "
+            "kernels cannot be traced on symbolic shapes; train with fp8 eagerly, or compile without it")
+
+
+def _layers_to_compile(ddp_config, module: nn.Module, units) -> tuple:
+    if not getattr(ddp_config, "torch_compile", False):
+        return ()
+    from ..transformer.transformer_layer import TransformerLayer
+
+    layers = tuple(u for u in units if isinstance(u, TransformerLayer))
+    if not layers:
+        raise ValueError(f"torch_compile=True compiles each TransformerLayer unit, and {type(module).__name__} "
+                         "has none (or disable_bucketing=True made the whole model one unit)")
+    return layers
 
 
 def _check_reshard_size(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | int) -> None:

@@ -179,6 +179,9 @@ def _distributed(p) -> None:
     # Not a Megatron flag: the run's log says which copy ops serve.
     a("--torch-fsdp2-copy-kernels", action=argparse.BooleanOptionalAction, default=None,
       help="megatron_fsdp's kernels behind FSDP2's copy ops (None: on with --use-torch-fsdp2; not Megatron's)")
+    # Not a Megatron flag: torchtitan's per-block compile.
+    a("--torch-compile", action="store_true",
+      help="compile each TransformerLayer with torch.compile before sharding (not Megatron's)")
     a("--num-distributed-optimizer-instances", type=int, default=1,
       help="HSDP: replicas of the sharded model (each shards over DP / instances ranks)")
     a("--use-distributed-optimizer", action="store_true", help="shard optimizer state (always so under FSDP)")

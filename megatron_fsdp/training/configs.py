@@ -17,6 +17,7 @@ import re
 import torch.nn.functional as F
 
 from ..distributed import TorchFullyShardedDataParallelConfig
+from ..distributed.fsdp_plan import check_torch_compile
 from ..optimizer import OptimizerConfig
 from ..transformer import TransformerConfig
 
@@ -76,7 +77,7 @@ def ddp_config_from_args(args) -> TorchFullyShardedDataParallelConfig:
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             num_distributed_optimizer_instances=args.data_parallel_size,
             # Nothing to gather back with a shard of size 1: keep the compute-dtype copy.
-            reshard_after_forward=False)
+            reshard_after_forward=False, torch_compile=args.torch_compile)
     return TorchFullyShardedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
@@ -86,6 +87,7 @@ def ddp_config_from_args(args) -> TorchFullyShardedDataParallelConfig:
         accumulate_unsharded_grads_in_no_sync=args.torch_fsdp2_accumulate_unsharded_grads,
         # Our copy kernels are on by default in pretrain() (the log says which serve).
         fsdp_copy_kernels=args.torch_fsdp2_copy_kernels is not False,
+        torch_compile=args.torch_compile,
         fp8_param_gather=args.fp8_param_gather)
 
 
@@ -126,8 +128,10 @@ def scheduler_kwargs_from_args(args) -> dict:
 def build_configs(args) -> TrainingConfigs:
     """Every config of the run, each validated by its own dataclass (raises
     ValueError/NotImplementedError in the dataclasses' words)."""
-    return TrainingConfigs(model=core_transformer_config_from_args(args), ddp=ddp_config_from_args(args),
-                           optimizer=optimizer_config_from_args(args), scheduler=scheduler_kwargs_from_args(args))
+    model, ddp = core_transformer_config_from_args(args), ddp_config_from_args(args)
+    check_torch_compile(model, ddp)  # the wrapper's plan checks it again for API users
+    return TrainingConfigs(model=model, ddp=ddp, optimizer=optimizer_config_from_args(args),
+                           scheduler=scheduler_kwargs_from_args(args))
 
 
 _IDENTIFIER = re.compile(r"(?<![-\w])[a-z][a-z0-9_]*(?![-\w])")  # not a part of --a-flag

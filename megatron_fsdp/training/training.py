@@ -172,6 +172,9 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         print_rank_0("> FSDP2 copy ops: " + ("megatron_fsdp's kernels" if model.fsdp_copy_kernels_active else
                                             "torch's" + (" (megatron_fsdp's kernels unavailable: warned above)"
                                                          if args.configs.ddp.fsdp_copy_kernels else "")))
+        if args.configs.ddp.torch_compile:
+            print_rank_0(f"> torch.compile: each of the {args.num_layers} TransformerLayers (the first "
+                         "iterations compile)")
     elif getattr(get_model_config(model), "fp8", None) is not None:
         convert_to_fp8(model)  # the wrapper's plan does this when wrapped
     return [model]
