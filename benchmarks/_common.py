@@ -147,3 +147,32 @@ def single_process_defaults() -> None:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def best_of_rounds(arms: dict, repeats: int, device: torch.device) -> dict:
+    """Milliseconds of each arm's best round: one warm-up call each (compilation, caches),
+    then `repeats` rounds in which every arm runs once, alternating (noise hits all alike)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in arms.values():  # warm-up
+        fn()
+    sync()
+    best = {name: float("inf") for name in arms}
+    for _ in range(repeats):
+        for name, fn in arms.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: t * 1000 for name, t in best.items()}
+
+
+def api_step(model, optimizer, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One training step of our API: a GPTModel in TorchFullyShardedDataParallel and
+    get_megatron_optimizer's optimizer; returns the loss (not read back)."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(ids, positions, None, labels=ids).float().mean()
+    loss.backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    return loss

@@ -26,33 +26,17 @@ import argparse
 import json
 import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from _common import best_of_rounds
 from megatron_fsdp import parallel_state
 from megatron_fsdp.transformer import TransformerConfig, fused_activations
 from megatron_fsdp.transformer.mlp import MLP
 
 PRESETS = {"1b": (2048, 8192, 8192), "8b": (4096, 14336, 4096), "tiny": (64, 256, 256)}  # hidden, ffn, tokens
-
-
-def _timed_rounds(arms: dict, repeats: int, device: torch.device) -> dict:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in arms.values():  # warm-up (Triton compiles here)
-        fn()
-        fn()
-    sync()
-    best = {name: float("inf") for name in arms}
-    for _ in range(repeats):
-        for name, fn in arms.items():
-            start = time.perf_counter()
-            fn()
-            sync()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: round(t * 1000, 3) for name, t in best.items()}
 
 
 class _EagerPath:
@@ -125,7 +109,7 @@ def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, d
     if device.type == "cuda" and fused_activations._kernels_for(fc1_out) is not None:
         arms["fused"] = mlp_step(mlps["fused"])
         arms["act/fused"] = act_step("fused")
-    ms = _timed_rounds(arms, repeats, device)
+    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
     ours = "fused" if "fused" in ms else "fused_eager"
     return {"case": f"mlp/{kind}/{hidden}x{ffn}x{tokens}/{str(dtype).split('.')[-1]}",
             "ours_ms": ms[ours], "torch_ms": ms["unfused"], "torch_over_ours": round(ms["unfused"] / ms[ours], 3),

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
-from _common import require_our_kernels_on
+from _common import best_of_rounds, require_our_kernels_on
 from megatron_fsdp import _torch_compat, kernels
 from megatron_fsdp.kernels.amax import _multi_tensor_amax_reference
 
@@ -34,21 +33,6 @@ CASES = {  # name: (count, elements each)
     "200x4K": (200, 4096),
     "4x16M": (4, 16 * 1024 * 1024),
 }
-
-
-def timed_rounds(arms: dict, repeats: int, device: torch.device) -> dict:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in arms.values():  # warm-up
-        fn()
-    sync()
-    best = {name: float("inf") for name in arms}
-    for _ in range(repeats):
-        for name, fn in arms.items():
-            start = time.perf_counter()
-            fn()
-            sync()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return {name: t * 1000 for name, t in best.items()}
 
 
 def bench_amax(name: str, dtype: torch.dtype, repeats: int, device: torch.device) -> dict:
@@ -61,7 +45,7 @@ def bench_amax(name: str, dtype: torch.dtype, repeats: int, device: torch.device
     foreach = torch.stack(_torch_compat.foreach_norm(weights, inf)).float()
     if not torch.equal(ours, foreach):
         raise SystemExit(f"{name}: multi_tensor_amax differs from _foreach_norm(inf): {ours} vs {foreach}")
-    ms = timed_rounds({
+    ms = best_of_rounds({
         "ours": lambda: kernels.multi_tensor_amax(weights),
         "op": lambda: torch.ops.megatron_fsdp.multi_tensor_amax(weights),
         "foreach": lambda: torch.stack(_torch_compat.foreach_norm(weights, inf)),
@@ -88,7 +72,7 @@ def bench_cast(dtype: torch.dtype, repeats: int, device: torch.device) -> dict:
     torch_cast = lambda: (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8).view(torch.uint8)  # noqa: E731
     if not torch.equal(kernels.cast_to_fp8(x, scale, fp8, out=out), torch_cast()):
         raise SystemExit("cast_to_fp8 differs from torch's clamp + cast")
-    ms = timed_rounds({
+    ms = best_of_rounds({
         "ours": lambda: kernels.cast_to_fp8(x, scale, fp8, out=out),
         "torch": torch_cast,
         # Read x once (a reduction) and write out once (a fill): the memory traffic of one pass.

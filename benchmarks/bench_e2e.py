@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from _common import dense_bf16_tflops, device_name, single_process_defaults
+from _common import api_step, dense_bf16_tflops, device_name, single_process_defaults
 from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
@@ -148,15 +148,7 @@ def _api_arm(s, device, compile_layers: bool):
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True), model)
     positions = torch.arange(s["seq"], device=device).expand(s["micro_batch"], -1)
 
-    def step(ids):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = model(ids, positions, None, labels=ids).float().mean()
-        loss.backward()
-        model.finish_grad_sync()
-        optimizer.step()
-        return loss
-    return step
+    return lambda ids: api_step(model, optimizer, ids, positions)
 
 
 def _plain_arm(s, device, compile_layers: bool):

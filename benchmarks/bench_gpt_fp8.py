@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from _common import (add_gpt_arguments, build_gpt, dense_bf16_tflops, device_name, gpt_benchmark_job,
+from _common import (add_gpt_arguments, api_step, build_gpt, dense_bf16_tflops, device_name, gpt_benchmark_job,
                      single_process_defaults, time_arms_in_rounds)
 from megatron_fsdp import parallel_state
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
@@ -105,14 +105,7 @@ def main():
         losses = {}
 
         def step(name):
-            model, optimizer = arms[name]
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            loss = model(ids, positions, None, labels=ids).float().mean()
-            loss.backward()
-            model.finish_grad_sync()
-            optimizer.step()
-            losses[name] = loss.item()
+            losses[name] = api_step(*arms[name], ids, positions).item()
 
         gathered = {}
         for name in arms:  # one counted step per arm (also the warm-up of optimizer state)

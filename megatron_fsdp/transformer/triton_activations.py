@@ -70,24 +70,28 @@ def _offsets(i, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr):
 
 
 @triton.jit
+def _load_fp32(y_ptr, off, bias_ptr, bias_off, mask, HAS_BIAS: tl.constexpr):
+    """y[off] (+ bias[bias_off]) in fp32."""
+    x = tl.load(y_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + bias_off, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _bias_act_fwd_kernel(y_ptr, bias_ptr, out_ptr, n, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SQRT_2_OVER_PI: tl.constexpr, CUBIC: tl.constexpr,
                          CUBIC_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     a_off, b_off, a_bias, b_bias = _offsets(i, F, C, KIND, BLOCKED)
-    a = tl.load(y_ptr + a_off, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        a += tl.load(bias_ptr + a_bias, mask=mask, other=0.0).to(tl.float32)
+    a = _load_fp32(y_ptr, a_off, bias_ptr, a_bias, mask, HAS_BIAS)
     if KIND == 2:
         act = a * _sigmoid(a)
     else:
         act, _ = _gelu_and_grad(a, SQRT_2_OVER_PI, CUBIC, CUBIC_GRAD)
     if KIND != 0:
-        b = tl.load(y_ptr + b_off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b += tl.load(bias_ptr + b_bias, mask=mask, other=0.0).to(tl.float32)
-        act = act * b
+        act = act * _load_fp32(y_ptr, b_off, bias_ptr, b_bias, mask, HAS_BIAS)
     tl.store(out_ptr + i, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,9 +103,7 @@ def _bias_act_bwd_kernel(g_ptr, y_ptr, bias_ptr, dy_ptr, n, F, C, KIND: tl.const
     mask = i < n
     a_off, b_off, a_bias, b_bias = _offsets(i, F, C, KIND, BLOCKED)
     g = tl.load(g_ptr + i, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(y_ptr + a_off, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        a += tl.load(bias_ptr + a_bias, mask=mask, other=0.0).to(tl.float32)
+    a = _load_fp32(y_ptr, a_off, bias_ptr, a_bias, mask, HAS_BIAS)
     if KIND == 2:
         sig = _sigmoid(a)
         act = a * sig
@@ -111,9 +113,7 @@ def _bias_act_bwd_kernel(g_ptr, y_ptr, bias_ptr, dy_ptr, n, F, C, KIND: tl.const
     if KIND == 0:
         tl.store(dy_ptr + a_off, (grad * g).to(dy_ptr.dtype.element_ty), mask=mask)
     else:
-        b = tl.load(y_ptr + b_off, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            b += tl.load(bias_ptr + b_bias, mask=mask, other=0.0).to(tl.float32)
+        b = _load_fp32(y_ptr, b_off, bias_ptr, b_bias, mask, HAS_BIAS)
         # Megatron's order: (g * up) * act'(gate) for the gate, g * act(gate) for up.
         tl.store(dy_ptr + a_off, ((g * b) * grad).to(dy_ptr.dtype.element_ty), mask=mask)
         tl.store(dy_ptr + b_off, (g * act).to(dy_ptr.dtype.element_ty), mask=mask)
