@@ -73,6 +73,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # pretrain() jobs in the worker pool
 @pytest.mark.parametrize("precision", sorted(EXPECTED))
 def test_a_step_reads_back_only_what_megatron_reads(pools, precision):
     steps = pools(2).run(_case_reads_per_step, [*MODEL, *RUN, *FLAGS[precision]], timeout=300)[0]
