@@ -8,7 +8,7 @@ recipe), each eager and with `torch.compile` per block.
 Arms (bf16 compute, fp32 master weights and gradient reduction, AdamW):
   api             GPTModel in TorchFullyShardedDataParallel, get_megatron_optimizer: one step is
                   zero grads, forward, backward, finish_grad_sync, optimizer.step
-  api+compile     the same, each TransformerLayer compiled (nn.Module.compile, before wrapping)
+  api+compile     the same with torch_compile=True (--torch-compile): each TransformerLayer compiled
   plain           a Llama written here in plain PyTorch (RMSNorm, RoPE, GQA through SDPA, SwiGLU),
                   fully_shard per block and at the root with MixedPrecisionPolicy(bf16, fp32
                   reduce), torch.optim.AdamW (fused on CUDA)
@@ -141,10 +141,8 @@ def _api_arm(s, device, compile_layers: bool):
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     model = GPTModel(config, vocab_size=s["vocab"], max_sequence_length=s["seq"], position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
-    if compile_layers:
-        for layer in model.decoder.layers:
-            layer.compile()
-    model = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=True), model)
+    ddp_config = TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=True, torch_compile=compile_layers)
+    model = TorchFullyShardedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True), model)
     positions = torch.arange(s["seq"], device=device).expand(s["micro_batch"], -1)
 
