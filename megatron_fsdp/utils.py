@@ -88,7 +88,7 @@ def non_finite_ranks(loss: Optional[torch.Tensor] = None, grads=None, *, device:
     rank = dist.get_rank(group) if distributed else 0
     flags = torch.zeros(2, world, device=device)
     if loss is not None:
-        flags[0, rank] = (~torch.isfinite(loss.detach())).any().to(flags.dtype)
+        flags[0, rank] = (~torch.isfinite(loss.detach())).any().to(device=flags.device, dtype=flags.dtype)
     if grads:
         # The inf-norm is each tensor's max |x|: inf if any element is, NaN if any is.
         norms = torch.stack(_torch_compat.foreach_norm(grads, float("inf")))

@@ -157,7 +157,7 @@ def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int, layou
 @triton_op("megatron_fsdp::bias_act_bwd", mutates_args=())
 def bias_act_bwd(grad_out: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor], kind: int,
                  layout: str) -> torch.Tensor:
-    """d act(y + bias) / dy applied to grad_out: the gradient of y (and of the bias, summed over tokens)."""
+    """d act(y + bias) / dy applied to grad_out: the gradient of y (summed over the tokens it is the bias's)."""
     C, F = _check(y, bias, kind, layout)
     if tuple(grad_out.shape) != (*y.shape[:-1], F):
         raise ValueError(f"bias_act_bwd: grad_out has shape {tuple(grad_out.shape)}, expected "
