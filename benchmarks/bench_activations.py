@@ -23,6 +23,7 @@ issue 19), 8b (hidden 4096, ffn 14336, 4096 tokens), tiny (the CPU's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -39,15 +40,18 @@ from megatron_fsdp.transformer.mlp import MLP
 PRESETS = {"1b": (2048, 8192, 8192), "8b": (4096, 14336, 4096), "tiny": (64, 256, 256)}  # hidden, ffn, tokens
 
 
-class _EagerPath:
-    """bias_activation on the eager fp32 path even for CUDA tensors."""
-
-    def __enter__(self):
-        self._saved = fused_activations._kernels_for
-        fused_activations._kernels_for = lambda t: None
-
-    def __exit__(self, *exc):
-        fused_activations._kernels_for = self._saved
+@contextlib.contextmanager
+def _eager_path(on: bool):
+    """With `on`, bias_activation takes the eager fp32 path even for CUDA tensors, forward and backward."""
+    if not on:
+        yield
+        return
+    saved = fused_activations._kernels_for
+    fused_activations._kernels_for = lambda t: None
+    try:
+        yield
+    finally:
+        fused_activations._kernels_for = saved
 
 
 def _mlp(kind: str, fusion: bool, hidden: int, ffn: int, device, dtype) -> MLP:
@@ -65,18 +69,11 @@ def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, d
     grad = torch.randn(tokens, 1, hidden, device=device, dtype=dtype)
     mlps = {"unfused": _mlp(kind, False, hidden, ffn, device, dtype), "fused": _mlp(kind, True, hidden, ffn, device,
                                                                                   dtype)}
-    eager = _EagerPath()
-
     def mlp_step(mlp, eager_path=False):
         def step():
-            if eager_path:
-                eager.__enter__()
-            try:
+            with _eager_path(eager_path):
                 out, _ = mlp(x)
                 out.backward(grad)
-            finally:
-                if eager_path:
-                    eager.__exit__()
         return step
 
     fc1_out, fc1_bias = mlps["fused"].linear_fc1(x)
@@ -86,22 +83,17 @@ def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, d
 
     def act_step(how):
         def step():
-            if how == "unfused":
-                y = fc1_out + fc1_bias if fc1_bias is not None else fc1_out
-                if kind == "swiglu":
-                    pairs = y.unflatten(-1, (-1, 2))
-                    out = F.silu(pairs[..., 0]) * pairs[..., 1]
+            with _eager_path(how == "fused_eager"):  # forward and backward alike
+                if how == "unfused":
+                    y = fc1_out + fc1_bias if fc1_bias is not None else fc1_out
+                    if kind == "swiglu":
+                        pairs = y.unflatten(-1, (-1, 2))
+                        out = F.silu(pairs[..., 0]) * pairs[..., 1]
+                    else:
+                        out = F.gelu(y)
                 else:
-                    out = F.gelu(y)
-            else:
-                if how == "fused_eager":
-                    eager.__enter__()
-                try:
                     out = fused_activations.bias_activation(fc1_out, fc1_bias, kind)
-                finally:
-                    if how == "fused_eager":
-                        eager.__exit__()
-            out.backward(act_grad)
+                out.backward(act_grad)
         return step
 
     arms = {"unfused": mlp_step(mlps["unfused"]), "fused_eager": mlp_step(mlps["fused"], eager_path=True),

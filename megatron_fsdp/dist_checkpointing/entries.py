@@ -32,7 +32,7 @@ def pack(state) -> bytes:
 
 def unpack(blob, what: str):
     """The state `pack` wrote; CheckpointError naming `what` when the blob is not one, or is damaged."""
-    if not isinstance(blob, (bytes, bytearray)) or not bytes(blob[:len(_MAGIC)]) == _MAGIC:
+    if not isinstance(blob, (bytes, bytearray)) or bytes(blob[:len(_MAGIC)]) != _MAGIC:
         raise CheckpointError(f"{what} is not a checkpoint entry of this format")
     head = len(_MAGIC)
     crc, payload = int.from_bytes(blob[head:head + 4], "little"), bytes(blob[head + 4:])
