@@ -7,7 +7,9 @@
 #include "fp8_kernels.h"
 
 #include <ATen/record_function.h>
-#include <torch/extension.h>
+// torch/python.h, not torch/extension.h: the pybind11 bindings without the whole C++
+// frontend (torch/all.h), which doubled this file's compile time.
+#include <torch/python.h>
 #include <torch/library.h>
 
 #include <memory>

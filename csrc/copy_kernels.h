@@ -1,7 +1,8 @@
 // Declarations shared by the extension's translation units.
 #pragma once
 
-#include <ATen/ATen.h>
+// The Tensor class alone: ATen/ATen.h (every operator) would triple the compile time.
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

@@ -7,6 +7,7 @@
 #include "copy_kernels.h"
 #include "copy_plan.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

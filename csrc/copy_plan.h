@@ -11,7 +11,8 @@
 // same plan thread by thread to test it without a GPU.
 #pragma once
 
-#include <ATen/ATen.h>
+// The Tensor class alone: ATen/ATen.h (every operator) would triple the compile time.
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>
@@ -22,8 +23,10 @@
 
 #if defined(__CUDACC__)
 #define MFSDP_HOST_DEVICE __host__ __device__
+#define MFSDP_UNROLL _Pragma("unroll")
 #else
 #define MFSDP_HOST_DEVICE
+#define MFSDP_UNROLL  // nvcc's pragma; gcc unrolls these constant-count loops at -O3 anyway
 #endif
 
 namespace megatron_fsdp {
@@ -227,7 +230,7 @@ MFSDP_HOST_DEVICE void copy_span(const S* src, D* dst, int64_t lo, int64_t hi, i
       store_raw(dst + k, in);
     } else {
       RawWord<V * sizeof(D)> out = {};
-#pragma unroll
+MFSDP_UNROLL
       for (int e = 0; e < V; ++e) raw_set<D>(out, e, convert<S, D>(raw_get<S>(in, e)));
       store_raw(dst + k, out);
     }

@@ -10,6 +10,7 @@
 #include "fp8_kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstring>

@@ -2,7 +2,8 @@
 // and the scaled, saturating cast to fp8 bytes (the all-gather input).
 #pragma once
 
-#include <ATen/ATen.h>
+// The Tensor class alone: ATen/ATen.h (every operator) would triple the compile time.
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

@@ -95,7 +95,7 @@ MFSDP_HOST_DEVICE uint32_t amax_tile(const AmaxSegment& seg, int64_t tile, int t
   for (int64_t j = thread; j < count; j += threads) {
     check_vector_alignment(data + first + j * V, kVecBytes);
     const RawWord<kVecBytes> word = *reinterpret_cast<const RawWord<kVecBytes>*>(data + first + j * V);
-#pragma unroll
+MFSDP_UNROLL
     for (int e = 0; e < V; ++e) {
       const Bits v = raw_get<Bits>(word, e) & mask;
       m = v > m ? v : m;

@@ -45,7 +45,10 @@ elif "$PY" -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.
   echo "[env] warning: this pip predates PEP 660 editable installs (pip >= 21.3)" >&2
 fi
 
-if ! "$PY" -c "import torch" 2>/dev/null; then
+# One interpreter start answers both "is torch there?" and "which torch?" (the build's hash).
+torch_id() { "$PY" -c 'import torch; print(torch.__version__, torch.__file__)' 2>/dev/null; }
+torch_now="$(torch_id || true)"
+if [ -z "$torch_now" ]; then
   if [ -n "${MEGATRON_FSDP_TORCH:-}" ]; then
     torch_req="$MEGATRON_FSDP_TORCH"
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -56,6 +59,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
   echo "[env] installing $torch_req" >&2
   "$PY" -m pip install -q "$torch_req"
+  torch_now="$(torch_id)"
 fi
 
 # Prints those of the requirements given that are not installed (pytest older than 7 counts).
@@ -78,7 +82,7 @@ EOF
 # Reinstall only when the extension's sources, the build files or this file changed.
 stamp="$VENV/.megatron_fsdp_build"
 # The torch it builds against is part of it: another torch needs another build.
-sources_hash="$("$PY" -c 'import torch; print(torch.__version__, torch.__file__)' |
+sources_hash="$(echo "$torch_now" |
                 cat - "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" \
                     "$ROOT/megatron_fsdp/kernels/build_check.py" "$ROOT/megatron_fsdp/kernels/build_config.py" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
