@@ -7,6 +7,7 @@ checks); what the launcher does (signals, exit codes, torchrun's messages)
 stays with the torchrun tests. Use as a pool case:
 
     outputs = pools(4).run(pretrain_gpt_job, argv)   # each rank's stdout, and its exit code
+    outputs = pools(2).run(script_job, path)         # any script that brings its own process group
 
 pretrain() brings its own process group and ends it: the pool's group makes way
 and comes back afterwards, each on a port of its own.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import runpy
 import sys
 from datetime import timedelta
 
@@ -27,34 +29,64 @@ from distributed_pool import _free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
-    """Run `pretrain_gpt.py *argv` on every rank of the pool: (exit code, this rank's stdout)."""
+@contextlib.contextmanager
+def own_process_group_job():
+    """Inside: the pool's process group is gone and MASTER_PORT names a fresh port, so the job
+    brings its own group (as under torchrun) and ends it; afterwards the pool's group is back."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ports = [_free_port(), _free_port()] if rank == 0 else [None, None]
     dist.broadcast_object_list(ports, src=0)
     job_port, pool_port = ports
     dist.barrier()
     dist.destroy_process_group()
-    if os.path.join(ROOT, "examples") not in sys.path:
-        sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import pretrain_gpt
-
-    saved_argv, saved_port = sys.argv, os.environ["MASTER_PORT"]
+    saved_port = os.environ["MASTER_PORT"]
     os.environ.update(MASTER_PORT=str(job_port), LOCAL_WORLD_SIZE=str(world_size))
-    sys.argv = [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv]
-    out, code = io.StringIO(), 0
     try:
-        with contextlib.redirect_stdout(out):
-            pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-            pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                                  pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        yield
     finally:
-        sys.argv = saved_argv
         if dist.is_initialized():  # a job that failed before its own shutdown
             dist.destroy_process_group()
         os.environ["MASTER_PORT"] = str(pool_port)
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         os.environ["MASTER_PORT"] = saved_port
+
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
+    """Run `pretrain_gpt.py *argv` on every rank of the pool: (exit code, this rank's stdout)."""
+    if os.path.join(ROOT, "examples") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import pretrain_gpt
+
+    saved_argv = sys.argv
+    sys.argv = [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv]
+    out, code = io.StringIO(), 0
+    try:
+        with own_process_group_job(), contextlib.redirect_stdout(out):
+            pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+            pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                                  pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    finally:
+        sys.argv = saved_argv
+    return code, out.getvalue()
+
+
+def script_job(path: str) -> tuple[int, str]:
+    """Run the Python script at `path` as `__main__` on every rank of the pool, as torchrun would
+    with the pool's world size: (exit code, this rank's stdout)."""
+    saved_argv = sys.argv
+    sys.argv = [path]
+    out, code = io.StringIO(), 0
+    try:
+        with own_process_group_job(), contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    finally:
+        sys.argv = saved_argv
     return code, out.getvalue()

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from pretrain_in_pool import script_job
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_LINE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \|.*\| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \|"
@@ -58,17 +60,19 @@ def test_readme_python_examples_are_whole_scripts_that_end_cleanly():
         assert lines[-1].startswith("shutdown_distributed()"), lines[-1]
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # a script job in the worker pool
 @pytest.mark.parametrize("index", range(3))
-def test_readme_python_snippets_run_as_written(tmp_path, index):
-    """Each ```python block of the README, alone, under torchrun with the process count it names."""
+def test_readme_python_snippets_run_as_written(tmp_path, index, pools):
+    """Each ```python block of the README, alone, on as many ranks as the torchrun line it starts
+    with names: the worker pool's ranks run it as torchrun's would, with its own process group.
+    (That the script as a whole ends cleanly is the test above; the launcher is the README
+    command's test.)"""
     block = _readme_python_blocks()[index]
-    nproc = re.match(r"# torchrun --nproc-per-node (\d+) ", block).group(1)
+    nproc = int(re.match(r"# torchrun --nproc-per-node (\d+) ", block).group(1))
     script = tmp_path / "readme_snippet.py"
     script.write_text(block)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, str(script)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    outcomes = pools(nproc).run(script_job, str(script), timeout=300)
+    assert [code for code, _ in outcomes] == [0] * nproc, "".join(out for _, out in outcomes)[-4000:]
 
 
 def _script_with_bad_flag(rank: int, *flags: str) -> subprocess.CompletedProcess:

@@ -208,16 +208,18 @@ def test_fp8_training_resumes_exactly(tmp_path, pools):
 
 
 @pytest.mark.slow  # two pretrain() jobs in the worker pool
-@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]], ids=["bf16", "fp16"])
-def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision):
+@pytest.mark.parametrize("precision, tp", [(["--bf16"], 1), (["--fp16", "--initial-loss-scale", "1024"], 2)],
+                         ids=["bf16", "fp16-tp2"])
+def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision, tp):
     """Without --use-torch-fsdp2 the model is replicated through the same wrapper (FSDP2 with a
     shard size of 1) and the same mixed-precision policy (fp16: and the same loss scaler): the
-    losses are the sharded run's up to the order of the gradient reductions."""
+    losses are the sharded run's up to the order of the gradient reductions. Over 2
+    data-parallel ranks, once with tensor parallelism as well."""
     runs = {}
     for name, flags in (("replicated", []), ("sharded", ["--use-torch-fsdp2"])):
-        argv = [*MODEL, *[f for f in RUN if f != "--use-torch-fsdp2"], "--tensor-model-parallel-size", "2",
+        argv = [*MODEL, *[f for f in RUN if f != "--use-torch-fsdp2"], "--tensor-model-parallel-size", str(tp),
                 *precision, "--eval-iters", "0", *flags]
-        outcomes = pools(4).run(pretrain_gpt_job, argv, timeout=400)
+        outcomes = pools(2 * tp).run(pretrain_gpt_job, argv, timeout=400)
         assert all(code == 0 for code, _ in outcomes), outcomes[0][1][-3000:]
         out = "".join(text for _, text in outcomes)
         word = "sharded over" if flags else "replicated on"
