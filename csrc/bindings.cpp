@@ -178,6 +178,8 @@ TORCH_LIBRARY(megatron_fsdp, m) {
   m.def("chunk_cat(Tensor[] tensors, int num_chunks, Tensor(a!) out) -> ()");
   m.def("multi_tensor_amax(Tensor[] tensors) -> Tensor");
   m.def("cast_to_fp8(Tensor src, Tensor scale, ScalarType dtype, Tensor(a!) out) -> ()");
+  m.def("cast_transpose_to_fp8(Tensor src, Tensor scale, ScalarType dtype, Tensor(a!) out, Tensor(b!) out_t, "
+        "Tensor(c!) amax) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_fsdp, CPU, m) {
@@ -186,18 +188,21 @@ TORCH_LIBRARY_IMPL(megatron_fsdp, CPU, m) {
   m.impl("chunk_cat", &megatron_fsdp::chunk_cat_cpu);
   m.impl("multi_tensor_amax", &megatron_fsdp::multi_tensor_amax_cpu);
   m.impl("cast_to_fp8", &megatron_fsdp::cast_to_fp8_cpu);
+  m.impl("cast_transpose_to_fp8", &megatron_fsdp::cast_transpose_to_fp8_cpu);
 }
 
-// Neither op is differentiable (an amax, a byte cast): autograd passes them
+// None of these ops is differentiable (an amax, byte casts): autograd passes them
 // by, so weights that require grad give outputs that do not.
 TORCH_LIBRARY_IMPL(megatron_fsdp, Autograd, m) {
   m.impl("multi_tensor_amax", torch::CppFunction::makeFallthrough());
   m.impl("cast_to_fp8", torch::CppFunction::makeFallthrough());
+  m.impl("cast_transpose_to_fp8", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(megatron_fsdp, Meta, m) {
   m.impl("multi_tensor_amax", &megatron_fsdp::multi_tensor_amax_meta);
   m.impl("cast_to_fp8", &megatron_fsdp::check_cast_to_fp8_args);
+  m.impl("cast_transpose_to_fp8", &megatron_fsdp::check_cast_transpose_to_fp8_args);
 }
 
 #ifdef MEGATRON_FSDP_WITH_CUDA
@@ -207,6 +212,7 @@ TORCH_LIBRARY_IMPL(megatron_fsdp, CUDA, m) {
   m.impl("chunk_cat", &megatron_fsdp::chunk_cat_cuda);
   m.impl("multi_tensor_amax", &megatron_fsdp::multi_tensor_amax_cuda);
   m.impl("cast_to_fp8", &megatron_fsdp::cast_to_fp8_cuda);
+  m.impl("cast_transpose_to_fp8", &megatron_fsdp::cast_transpose_to_fp8_cuda);
 }
 #endif
 

@@ -43,9 +43,22 @@ void check_cast_to_fp8_args(const at::Tensor& src, const at::Tensor& scale, at::
                             const at::Tensor& out);
 void cast_to_fp8_cpu(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype, const at::Tensor& out);
 
+// cast-transpose: one read of a 2-D src [M, K] (any strides) writes
+//   out   (uint8 [M, K], contiguous)  = the fp8 bits of clamp(float(src) * scale, -max, max),
+//   out_t (uint8 [K, Mt], contiguous, Mt >= M) = those bits transposed, columns M.. zero
+//          (the token padding an fp8 GEMM operand needs: zero bytes are +0.0),
+//   amax  (float32, one element) = max |src| (0 for no elements, NaN if src holds one).
+// out is the row-major operand of torch._scaled_mm, out_t.t() the column-major one.
+void check_cast_transpose_to_fp8_args(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype,
+                                      const at::Tensor& out, const at::Tensor& out_t, const at::Tensor& amax);
+void cast_transpose_to_fp8_cpu(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype,
+                               const at::Tensor& out, const at::Tensor& out_t, const at::Tensor& amax);
+
 #ifdef MEGATRON_FSDP_WITH_CUDA
 at::Tensor multi_tensor_amax_cuda(at::TensorList tensors);
 void cast_to_fp8_cuda(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype, const at::Tensor& out);
+void cast_transpose_to_fp8_cuda(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype,
+                                const at::Tensor& out, const at::Tensor& out_t, const at::Tensor& amax);
 #endif
 
 }  // namespace megatron_fsdp

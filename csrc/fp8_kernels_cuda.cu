@@ -6,6 +6,8 @@
 // one tile (fp8_plan.h) and combines its result with atomicMax on the
 // float32 bits of the output, zeroed first (the value of an empty tensor).
 // cast_to_fp8: elementwise, c10's conversion, the scale read on the device.
+// cast_transpose_to_fp8: the same cast, written twice (row-major and
+// transposed) from one read, with the amax on the way (kernel below).
 
 #include "fp8_kernels.h"
 
@@ -86,6 +88,46 @@ __global__ void cast_to_fp8_kernel(const S* src, const float* scale, uint8_t* ou
   }
 }
 
+// cast-transpose: a block of 32 x 8 threads takes 32 x 32 tiles of src, each thread 4 of a
+// tile's rows; a warp reads and writes along a row of src and out (coalesced), then along a
+// row of out_t out of the tile in shared memory (one column padded: no bank conflicts).
+constexpr int kTile = 32;
+constexpr int kTileRowsPerPass = 8;
+
+template <typename S, typename F8>
+__global__ void __launch_bounds__(kTile * kTileRowsPerPass)
+    cast_transpose_to_fp8_kernel(const S* src, int64_t s0, int64_t s1, int64_t m, int64_t k, const float* scale,
+                                 float max, uint8_t* out, uint8_t* out_t, int64_t mt, uint32_t* amax_bits) {
+  using Bits = typename AmaxTraits<S>::Bits;
+  __shared__ uint8_t tile[kTile][kTile + 1];
+  const float sc = *scale;
+  const int64_t row_tiles = (m + kTile - 1) / kTile;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  Bits bits = 0;
+  for (int64_t ti = blockIdx.y; ti < row_tiles; ti += gridDim.y) {
+    const int64_t i0 = ti * kTile;
+    for (int r = threadIdx.y; r < kTile; r += kTileRowsPerPass) {
+      const int64_t i = i0 + r, j = j0 + threadIdx.x;
+      if (i < m && j < k) {
+        const S x = src[i * s0 + j * s1];
+        const Bits b = abs_bits(x);
+        bits = b > bits ? b : bits;
+        const uint8_t v = scaled_fp8_bits<S, F8>(x, sc, max);
+        out[i * k + j] = v;
+        tile[r][threadIdx.x] = v;
+      }
+    }
+    __syncthreads();
+    for (int r = threadIdx.y; r < kTile; r += kTileRowsPerPass) {
+      const int64_t j = j0 + r, i = i0 + threadIdx.x;
+      if (j < k && i < m) out_t[j * mt + i] = tile[threadIdx.x][r];
+    }
+    __syncthreads();  // the tile is refilled by the next pass
+  }
+  const uint32_t m32 = warp_max(AmaxTraits<S>::float_bits(bits));
+  if (threadIdx.x == 0) atomicMax(amax_bits, m32);  // lane 0 of each warp (a warp is one threadIdx.y)
+}
+
 }  // namespace
 
 at::Tensor multi_tensor_amax_cuda(at::TensorList tensors) {
@@ -124,6 +166,36 @@ void cast_to_fp8_cuda(const at::Tensor& src, const at::Tensor& scale, at::Scalar
       cast_to_fp8_kernel<S, F8><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
           static_cast<const S*>(s.data_ptr()), static_cast<const float*>(scale.data_ptr()),
           static_cast<uint8_t*>(out.data_ptr()), n, max);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+void cast_transpose_to_fp8_cuda(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype,
+                                const at::Tensor& out, const at::Tensor& out_t, const at::Tensor& amax) {
+  check_cast_transpose_to_fp8_args(src, scale, dtype, out, out_t, amax);
+  const int64_t m = src.size(0), k = src.size(1), mt = out_t.size(1);
+  const c10::cuda::CUDAGuard guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The amax is combined with atomicMax on its float32 bits: 0 first (also the value for no elements).
+  C10_CUDA_CHECK(cudaMemsetAsync(amax.data_ptr(), 0, sizeof(float), stream));
+  if (mt > m && k > 0) {  // the padding columns of out_t
+    C10_CUDA_CHECK(cudaMemset2DAsync(static_cast<uint8_t*>(out_t.data_ptr()) + m, static_cast<size_t>(mt), 0,
+                                     static_cast<size_t>(mt - m), static_cast<size_t>(k), stream));
+  }
+  if (m == 0 || k == 0) return;
+  const int64_t col_tiles = (k + kTile - 1) / kTile, row_tiles = (m + kTile - 1) / kTile;
+  TORCH_CHECK(col_tiles <= INT32_MAX, "cast_transpose_to_fp8: src has too many columns (", k, ")");
+  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(std::min<int64_t>(row_tiles, 65535)));
+  const dim3 block(kTile, kTileRowsPerPass);
+  dispatch_amax_dtype(src.scalar_type(), [&](auto src_tag) {
+    using S = typename decltype(src_tag)::type;
+    dispatch_fp8_dtype(dtype, [&](auto fp8_tag, float max) {
+      using F8 = typename decltype(fp8_tag)::type;
+      cast_transpose_to_fp8_kernel<S, F8><<<grid, block, 0, stream>>>(
+          static_cast<const S*>(src.data_ptr()), src.stride(0), src.stride(1), m, k,
+          static_cast<const float*>(scale.data_ptr()), max, static_cast<uint8_t*>(out.data_ptr()),
+          static_cast<uint8_t*>(out_t.data_ptr()), mt, reinterpret_cast<uint32_t*>(amax.data_ptr()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -104,6 +104,15 @@ MFSDP_UNROLL
   return AmaxTraits<T>::float_bits(m);
 }
 
+// |x| as the unsigned bits amax_tile compares (see the top of this file).
+template <typename T>
+MFSDP_HOST_DEVICE inline typename AmaxTraits<T>::Bits abs_bits(T x) {
+  using Bits = typename AmaxTraits<T>::Bits;
+  Bits b;
+  memcpy(&b, &x, sizeof(b));
+  return b & abs_mask<Bits>();
+}
+
 // Calls fn(TypeTag<T>{}) for an amax input dtype; false for any other dtype.
 template <typename Fn>
 bool dispatch_amax_dtype(at::ScalarType dtype, Fn&& fn) {

@@ -165,7 +165,7 @@ cuda_tests() {
   # run cut off by the limit (no report written) still says where it stopped.
   timeout "$limit" "$PY" -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=60 \
     --junitxml="$OUT_DIR/tests.xml" tests/test_device_copy_kernels.py tests/test_amax_kernel.py \
-    tests/test_kernels.py tests/test_torch_compat.py tests/test_fsdp_copy_kernels.py \
+    tests/test_fp8_cast_transpose.py tests/test_kernels.py tests/test_torch_compat.py tests/test_fsdp_copy_kernels.py \
     tests/test_triton_activations.py >"$OUT_DIR/tests.log" 2>&1 || true
   if [ ! -s "$OUT_DIR/tests.xml" ]; then
     local last

@@ -4,10 +4,12 @@ and the GPT model at TP=1, TP=2 and TP=2 with sequence parallelism."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import full_grads, make_config, setup_parallel
 from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, convert_to_fp8, fp8_linear, refresh_fp8_scales
 from megatron_fsdp.fp8.scaling import cast_to_fp8, scale_from_amax
+from megatron_fsdp.fp8.weight import Fp8TrainingWeight, Fp8WeightMeta
 from megatron_fsdp.models.gpt import GPTModel
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -104,6 +106,46 @@ def test_delayed_scaling_uses_the_previous_steps_amax(algo, history_len):
     assert float(state.input.amax_history[0]) == 0.0 and float(state.input.amax_history.max()) < 1e4
     if algo == "most_recent":
         assert torch.equal(state.input.scale, scale)  # an amax of zero keeps the previous scale
+
+
+class _Fp8Copies(TorchDispatchMode):
+    """Records every op that copies an fp8 tensor (or its bytes) into new memory: a transpose
+    made contiguous, a pad, a clone, a dtype conversion."""
+
+    COPIES = {"clone", "copy_", "constant_pad_nd", "_to_copy", "cat", "stack", "contiguous"}
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if name in self.COPIES and any(t.dtype in (E4M3, E5M2, torch.uint8) for t in tensors):
+            self.copies.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("weight_kind", ["plain", "fp8 training weight"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_no_fp8_operand_is_copied_into_another_layout(recipe, weight_kind):
+    """Each cast writes its operand in both layouts the GEMMs take (issue 20): forward and
+    backward copy no fp8 tensor, the weight-gradient GEMM's token padding included (15 tokens)."""
+    state = Fp8LinearState(Fp8Recipe(format="hybrid", recipe=recipe))
+    w = torch.randn(48, 64, generator=_gen(1)) * 0.05
+    if weight_kind == "fp8 training weight":
+        w = Fp8TrainingWeight(w, Fp8WeightMeta(E4M3, margin=0))
+        w._fp8_meta.scale = scale_from_amax(w._data.abs().max().float(), E4M3)
+    w.requires_grad_(True)
+    for step in range(2):  # delayed: the second step casts with the history's scale
+        x = torch.randn(3, 5, 64, generator=_gen(step)).requires_grad_(True)
+        with _Fp8Copies() as mode:
+            fp8_linear(x, w, state).backward(torch.randn(3, 5, 48, generator=_gen(9)))
+        assert mode.copies == [], mode.copies
+        assert x.grad is not None and w.grad is not None
+        if recipe == "delayed":
+            refresh_fp8_scales([_Holder(state)])
 
 
 class _Holder(torch.nn.Module):

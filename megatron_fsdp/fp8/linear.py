@@ -24,11 +24,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from .. import _torch_compat
 from .recipe import Fp8Recipe
-from .scaling import AmaxHistory, cast_to_fp8, scale_from_amax, tensor_amax
+from .scaling import AmaxHistory, cast_to_fp8, cast_transpose_to_fp8, scale_from_amax, tensor_amax
 from .weight import Fp8GatheredWeight, Fp8TrainingWeight
 
 GEMM_ALIGNMENT = 16
@@ -68,40 +67,48 @@ def check_fp8_weight_shape(where: str, out_features: int, in_features: int) -> N
             "precision (first_last_layers_bf16)")
 
 
-def _quantize(x: torch.Tensor, history: Optional[AmaxHistory], dtype: torch.dtype, margin: int, record: bool):
-    """(fp8 x, inverse scale): current scaling, or the history's scale once it has one."""
-    amax = tensor_amax(x)
-    if history is not None:
+def _quantize(x: torch.Tensor, history: Optional[AmaxHistory], dtype: torch.dtype, margin: int, record: bool,
+              transposed: bool):
+    """(fp8 x [M, K], fp8 x^T [K, M padded to GEMM_ALIGNMENT] if `transposed` else None, inverse
+    scale): current scaling, or the history's scale once it has one. With the history's scale
+    the cast reads x once and records the amax it found on the way; current scaling needs the
+    amax before the cast, one read more."""
+    if history is not None and history.calibrated:
+        scale = history.scale
+        if transposed:
+            data, data_t, amax = cast_transpose_to_fp8(x, scale, dtype, pad_rows_to=GEMM_ALIGNMENT)
+        else:
+            data, data_t, amax = cast_to_fp8(x, scale, dtype), None, (tensor_amax(x) if record else None)
         if record:
             history.record(amax)
-        if history.calibrated:
-            return cast_to_fp8(x, history.scale, dtype), history.scale.reciprocal()
+        return data, data_t, scale.reciprocal()
+    amax = tensor_amax(x)
+    if history is not None and record:
+        history.record(amax)
     scale = scale_from_amax(amax, dtype, margin)
-    return cast_to_fp8(x, scale, dtype), scale.reciprocal()
+    if transposed:
+        data, data_t, _ = cast_transpose_to_fp8(x, scale, dtype, pad_rows_to=GEMM_ALIGNMENT)
+        return data, data_t, scale.reciprocal()
+    return cast_to_fp8(x, scale, dtype), None, scale.reciprocal()
 
 
-def _weight_fp8(weight: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight [out, in], its scale)."""
+def _weight_fp8(weight: torch.Tensor, recipe: Fp8Recipe,
+                transposed: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """(fp8 weight [out, in], its transpose [in, out] if `transposed` (None for a gathered
+    weight: see _Fp8Linear.backward), its scale)."""
     if isinstance(weight, Fp8GatheredWeight):
-        return weight._data, weight._scale
+        return weight._data, None, weight._scale
     if isinstance(weight, Fp8TrainingWeight):
-        data, scale = weight.cast_to_fp8()
-        return data, scale.clone()  # refresh_fp8_scales updates the weight's scale in place
+        if transposed:
+            data, data_t, scale = weight.cast_transpose_to_fp8()
+        else:
+            (data, scale), data_t = weight.cast_to_fp8(), None
+        return data, data_t, scale.clone()  # refresh_fp8_scales updates the weight's scale in place
     scale = scale_from_amax(tensor_amax(weight), recipe.forward_dtype, recipe.margin)
-    return cast_to_fp8(weight, scale, recipe.forward_dtype), scale
-
-
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """The same matrix, laid out column-major (the second operand of _scaled_mm)."""
-    return t.t().contiguous().t()
-
-
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    extra = -t.size(0) % multiple
-    if not extra:
-        return t
-    # F.pad does not take float8: pad the bytes (a zero byte is +0.0 in both formats).
-    return F.pad(t.view(torch.uint8), (0, 0, 0, extra)).view(t.dtype)
+    if transposed:
+        data, data_t, _ = cast_transpose_to_fp8(weight, scale, recipe.forward_dtype)
+        return data, data_t, scale
+    return cast_to_fp8(weight, scale, recipe.forward_dtype), None, scale
 
 
 def _scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, out=None):
@@ -109,12 +116,20 @@ def _scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, out=None):
 
 
 class _Fp8Linear(torch.autograd.Function):
+    """Every fp8 operand comes out of its cast in the layout its GEMMs take: the row-major
+    copy for the first operand, the transposed copy (`.t()`: column-major) for the second. No
+    transpose of an fp8 tensor is made contiguous, except the gathered weight's for the input
+    gradient: FSDP gathers one layout, and Hopper's fp8 GEMM takes no other."""
+
     @staticmethod
     def forward(ctx, x, weight, state: Fp8LinearState, record: bool):
         recipe = state.recipe
+        x_grad, w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wgrad_in_fp8 = recipe.wgrad and w_grad
         x2 = x.reshape(-1, x.size(-1))
-        xq, x_inv = _quantize(x2, state.input, recipe.forward_dtype, recipe.margin, record=record)
-        wq, w_scale = _weight_fp8(weight, recipe)
+        xq, xq_t, x_inv = _quantize(x2, state.input, recipe.forward_dtype, recipe.margin, record=record,
+                                    transposed=wgrad_in_fp8)
+        wq, wq_t, w_scale = _weight_fp8(weight, recipe, transposed=x_grad)
         # Written through a 2-D view of the output: the output itself is no
         # view (FSDP warns about module outputs that are views).
         out = torch.empty((*x.shape[:-1], wq.size(0)), dtype=x.dtype, device=x.device)
@@ -123,8 +138,9 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         # A gathered weight is saved as itself: FSDP frees its bytes after
         # forward and refills the same storage (and scale) before backward.
-        saved_w = (weight,) if isinstance(weight, Fp8GatheredWeight) else (wq, w_scale)
-        saved_x = (xq, x_inv) if recipe.wgrad else (x2,)
+        saved_w = (weight,) if isinstance(weight, Fp8GatheredWeight) else (
+            (wq_t, w_scale) if x_grad else ())
+        saved_x = (xq_t, x_inv) if wgrad_in_fp8 else ((x2,) if w_grad else ())
         ctx.num_w = len(saved_w)
         ctx.save_for_backward(*saved_w, *saved_x)
         return out
@@ -134,18 +150,22 @@ class _Fp8Linear(torch.autograd.Function):
         state, recipe = ctx.state, ctx.state.recipe
         saved = ctx.saved_tensors
         saved_w, saved_x = saved[:ctx.num_w], saved[ctx.num_w:]
-        wq, w_scale = (saved_w[0]._data, saved_w[0]._scale) if ctx.num_w == 1 else saved_w
+        x_grad, w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g2 = grad.reshape(-1, grad.size(-1))
-        gq, g_inv = _quantize(g2, state.grad_output, recipe.backward_dtype, recipe.margin, record=True)
+        gq, gq_t, g_inv = _quantize(g2, state.grad_output, recipe.backward_dtype, recipe.margin, record=True,
+                                    transposed=recipe.wgrad and w_grad)
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _scaled_mm(gq, _column_major(wq), g_inv, w_scale.reciprocal(), ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        if x_grad:
+            if ctx.num_w == 1:  # the gathered weight [out, in]: its one transposed copy
+                wq_t, w_scale = saved_w[0]._data.t().contiguous(), saved_w[0]._scale
+            else:
+                wq_t, w_scale = saved_w
+            dx = _scaled_mm(gq, wq_t.t(), g_inv, w_scale.reciprocal(), ctx.x_dtype).view(ctx.x_shape)
+        if w_grad:
             if recipe.wgrad:
-                xq, x_inv = saved_x
-                g_t = _pad_rows(gq, GEMM_ALIGNMENT).t().contiguous()
-                x_pad = _pad_rows(xq, GEMM_ALIGNMENT)
-                dw = _scaled_mm(g_t, _column_major(x_pad), g_inv, x_inv, ctx.w_dtype)
+                # dW = dy^T x over the tokens, zero-padded to GEMM_ALIGNMENT by the casts.
+                xq_t, x_inv = saved_x
+                dw = _scaled_mm(gq_t, xq_t.t(), g_inv, x_inv, ctx.w_dtype)
             else:
                 (x2,) = saved_x
                 dw = (g2.t() @ x2.to(g2.dtype)).to(ctx.w_dtype)

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..kernels.fp8_cast import cast_to_fp8 as cast_to_fp8_bytes
+from ..kernels.fp8_cast import cast_transpose_to_fp8 as cast_transpose_to_fp8_bytes
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -55,6 +56,15 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     (kernels.fp8_cast). `out`: a contiguous uint8 tensor of x.numel() elements
     to write the bytes into. Returns the fp8 tensor (a view of `out` when given)."""
     return cast_to_fp8_bytes(x.detach().contiguous(), scale, dtype, out=out).view(dtype)
+
+
+def cast_transpose_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                          pad_rows_to: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The saturating cast of a 2-D x [M, K] in both layouts from one read (kernels.fp8_cast):
+    (fp8 x [M, K], fp8 x^T [K, M rounded up to pad_rows_to, zero beyond M], max |x| as a float32
+    0-d tensor). `x^T.t()` is the column-major operand torch._scaled_mm takes second."""
+    data, data_t, amax = cast_transpose_to_fp8_bytes(x.detach(), scale, dtype, pad_rows_to=pad_rows_to)
+    return data.view(dtype), data_t.view(dtype), amax.reshape(())
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from .. import _torch_compat
-from .scaling import cast_to_fp8, dequantize
+from .scaling import cast_to_fp8, cast_transpose_to_fp8, dequantize
 
 aten = torch.ops.aten
 
@@ -95,16 +95,25 @@ class Fp8TrainingWeight(torch.Tensor):
             return args[0]  # an in-place op (optimizer update, load) returns the weight itself
         return out
 
-    def cast_to_fp8(self, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fp8 data, scale) of this weight with its precomputed scale; `out`
-        as in scaling.cast_to_fp8."""
-        meta = self._fp8_meta
-        if meta.scale is None:
+    def _scale(self) -> torch.Tensor:
+        if self._fp8_meta.scale is None:
             raise RuntimeError(
                 "fp8 weight has no scale yet: call megatron_fsdp.fp8.refresh_fp8_scales(model) once the "
                 "weights hold their values (TorchFullyShardedDataParallel does after sharding, "
                 "MegatronOptimizer.step after every step)")
-        return cast_to_fp8(self._data, meta.scale, meta.fp8_dtype, out=out), meta.scale
+        return self._fp8_meta.scale
+
+    def cast_to_fp8(self, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 data, scale) of this weight with its precomputed scale; `out`
+        as in scaling.cast_to_fp8."""
+        scale = self._scale()
+        return cast_to_fp8(self._data, scale, self._fp8_meta.fp8_dtype, out=out), scale
+
+    def cast_transpose_to_fp8(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(fp8 data [out, in], the same transposed [in, out], scale) of this 2-D weight."""
+        scale = self._scale()
+        data, data_t, _ = cast_transpose_to_fp8(self._data, scale, self._fp8_meta.fp8_dtype)
+        return data, data_t, scale
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         rows = self._data.size(0)

@@ -29,7 +29,7 @@ from .extension import (  # noqa: F401  (the package's face)
 )
 from .amax import multi_tensor_amax  # noqa: F401  (the other kernels' faces, each with its fallback)
 from .crc import crc32c  # noqa: F401
-from .fp8_cast import cast_to_fp8  # noqa: F401
+from .fp8_cast import cast_to_fp8, cast_transpose_to_fp8  # noqa: F401
 
 
 def _pack_into_reference(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:

@@ -1,0 +1,96 @@
+// cast-transpose to fp8 on the CPU (see fp8_kernels.h): the checks every
+// device shares, and the kernel. The rows are cut into blocks of kRows; each
+// block is one item of one parallel region and walks its rows in tiles of
+// kRows x kCols, so that the transposed writes of a tile land in kRows-byte
+// runs of kCols rows of out_t instead of one byte per row per element.
+
+#include "fp8_kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace megatron_fsdp {
+namespace {
+
+constexpr int64_t kRows = 64;
+constexpr int64_t kCols = 64;
+
+}  // namespace
+
+void check_cast_transpose_to_fp8_args(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype,
+                                      const at::Tensor& out, const at::Tensor& out_t, const at::Tensor& amax) {
+  TORCH_CHECK(dispatch_fp8_dtype(dtype, [](auto, float) {}), "cast_transpose_to_fp8: dtype must be Float8_e4m3fn ",
+              "or Float8_e5m2, got ", dtype);
+  TORCH_CHECK(dispatch_amax_dtype(src.scalar_type(), [](auto) {}), "cast_transpose_to_fp8: src has dtype ",
+              src.scalar_type(), "; supported: Float, BFloat16, Half, Double");
+  TORCH_CHECK(src.dim() == 2, "cast_transpose_to_fp8: src must be 2-D [M, K], got shape ", src.sizes());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"scale", &scale}, {"out", &out},
+                                {"out_t", &out_t}, {"amax", &amax}}) {
+    TORCH_CHECK(t->device() == src.device(), "cast_transpose_to_fp8: ", name, " is on ", t->device(),
+                " but src is on ", src.device());
+  }
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "cast_transpose_to_fp8: scale must be a ",
+              "one-element Float tensor, got ", scale.scalar_type(), " with ", scale.numel(), " elements");
+  TORCH_CHECK(amax.scalar_type() == at::kFloat && amax.numel() == 1, "cast_transpose_to_fp8: amax must be a ",
+              "one-element Float tensor, got ", amax.scalar_type(), " with ", amax.numel(), " elements");
+  const int64_t m = src.size(0), k = src.size(1);
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.dim() == 2 && out.size(0) == m &&
+                  out.size(1) == k,
+              "cast_transpose_to_fp8: out must be a contiguous Byte tensor of src's shape ", src.sizes(), ", got ",
+              out.scalar_type(), " of shape ", out.sizes(), out.is_contiguous() ? "" : ", not contiguous");
+  TORCH_CHECK(out_t.scalar_type() == at::kByte && out_t.is_contiguous() && out_t.dim() == 2 && out_t.size(0) == k &&
+                  out_t.size(1) >= m,
+              "cast_transpose_to_fp8: out_t must be a contiguous Byte tensor [K, Mt] with K = ", k, " and Mt >= M = ",
+              m, ", got ", out_t.scalar_type(), " of shape ", out_t.sizes(),
+              out_t.is_contiguous() ? "" : ", not contiguous");
+}
+
+void cast_transpose_to_fp8_cpu(const at::Tensor& src, const at::Tensor& scale, at::ScalarType dtype,
+                               const at::Tensor& out, const at::Tensor& out_t, const at::Tensor& amax) {
+  check_cast_transpose_to_fp8_args(src, scale, dtype, out, out_t, amax);
+  const int64_t m = src.size(0), k = src.size(1), mt = out_t.size(1);
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  const float scale_value = *static_cast<const float*>(scale.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  uint8_t* dst_t = static_cast<uint8_t*>(out_t.data_ptr());
+  const int64_t row_blocks = (m + kRows - 1) / kRows;
+  std::vector<uint32_t> block_amax(static_cast<size_t>(row_blocks), 0);  // float32 bits, per row block
+  dispatch_amax_dtype(src.scalar_type(), [&](auto src_tag) {
+    using S = typename decltype(src_tag)::type;
+    using Bits = typename AmaxTraits<S>::Bits;
+    const S* in = static_cast<const S*>(src.data_ptr());
+    dispatch_fp8_dtype(dtype, [&](auto fp8_tag, float max) {
+      using F8 = typename decltype(fp8_tag)::type;
+      at::parallel_for(0, row_blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t block = begin; block < end; ++block) {
+          const int64_t i0 = block * kRows, i1 = std::min(m, i0 + kRows);
+          Bits bits = 0;
+          for (int64_t j0 = 0; j0 < k; j0 += kCols) {
+            const int64_t j1 = std::min(k, j0 + kCols);
+            for (int64_t i = i0; i < i1; ++i) {
+              const S* row = in + i * s0;
+              for (int64_t j = j0; j < j1; ++j) {
+                const S x = row[j * s1];
+                const Bits b = abs_bits(x);
+                bits = b > bits ? b : bits;
+                const uint8_t v = scaled_fp8_bits<S, F8>(x, scale_value, max);
+                dst[i * k + j] = v;
+                dst_t[j * mt + i] = v;
+              }
+            }
+          }
+          block_amax[static_cast<size_t>(block)] = AmaxTraits<S>::float_bits(bits);
+        }
+      });
+    });
+  });
+  if (mt > m) {
+    for (int64_t j = 0; j < k; ++j) std::memset(dst_t + j * mt + m, 0, static_cast<size_t>(mt - m));
+  }
+  const uint32_t bits = block_amax.empty() ? 0u : *std::max_element(block_amax.begin(), block_amax.end());
+  std::memcpy(amax.data_ptr(), &bits, sizeof(bits));
+}
+
+}  // namespace megatron_fsdp
