@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import full_tensor, make_config, setup_parallel
 from megatron_fsdp import _torch_compat, parallel_state, tensor_parallel
@@ -155,6 +156,43 @@ def _case_round_trip(layout, reshard):
         masters = new
         _check_gathered(net, masters)
     assert is_fp8_training_weight(net.col.weight)
+
+
+class _CountCasts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.casts += func.overloadpacket.__name__ == "cast_to_fp8"
+        return func(*args, **(kwargs or {}))
+
+
+def _case_one_cast_per_step():
+    """Two microbatches, resharded after forward: four all-gathers of each weight per step,
+    one cast of each (issue 20: weights change only at the optimizer step)."""
+    net, mesh = _build("dp2_even")
+    convert_to_fp8_weights(net)
+    _shard(net, mesh, reshard=True)
+    refresh_fp8_scales(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    casts = []
+    for step in range(2):
+        with _CountCasts() as mode:
+            for micro in range(2):
+                net(_batch(2 * step + micro)).float().square().mean().backward()
+        casts.append(mode.casts)
+        opt.step()
+        opt.zero_grad()
+        refresh_fp8_scales(net)
+    masters = _full_masters(net)
+    _check_gathered(net, masters)  # and the bytes sent after the last step are that step's weights
+    return casts
+
+
+def test_each_fp8_weight_is_cast_once_per_step(pools):
+    for casts in pools(2).run(_case_one_cast_per_step):
+        assert casts == [2, 2], casts  # col and row, whatever the number of all-gathers
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

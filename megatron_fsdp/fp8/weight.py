@@ -6,7 +6,8 @@ implements FSDP2's all-gather extension (torch >= 2.9, five-argument hook):
 
 - `fsdp_pre_all_gather` casts this rank's shard to fp8 with the weight's
   precomputed scale (`Fp8WeightMeta.scale`, the same on every rank that holds
-  a shard of the weight; see refresh.py) and hands FSDP a `uint8` view (gloo
+  a shard of the weight; see refresh.py) once per step (the cast bytes serve
+  every all-gather until the weight or its scale is written) and hands FSDP a `uint8` view (gloo
   cannot move float8 tensors, and one dtype lets FSDP pack a unit's tensors
   together). A short shard is zero-padded to the padded shard's rows, as
   FSDP requires of uneven shards. The scale travels as metadata.
@@ -118,12 +119,21 @@ class Fp8TrainingWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         rows = self._data.size(0)
         padded_rows = -(-outer_size[0] // mesh.size())
-        # The cast writes straight into the (padded) all-gather input.
-        padded = torch.empty((padded_rows,) + tuple(self._data.shape[1:]), dtype=torch.uint8,
-                             device=self._data.device)
-        padded[rows:].zero_()
-        _, scale = self.cast_to_fp8(out=padded[:rows].view(-1))
-        return (padded,), (scale, self._fp8_meta.fp8_dtype)
+        scale = self._scale()
+        # The weight changes only when its data or its scale is written (the optimizer step, a
+        # load, refresh_fp8_scales), and every write bumps a version: the other all-gathers of a
+        # step (each microbatch's, the backward's after resharding) send the bytes of the first
+        # cast. Kept between steps: one byte per element of this rank's shard.
+        key = (self._data.data_ptr(), self._data._version, scale.data_ptr(), scale._version, padded_rows)
+        cached = self.__dict__.get("_fp8_shard")
+        if cached is None or cached[0] != key:
+            # The cast writes straight into the (padded) all-gather input.
+            padded = torch.empty((padded_rows,) + tuple(self._data.shape[1:]), dtype=torch.uint8,
+                                 device=self._data.device)
+            padded[rows:].zero_()
+            self.cast_to_fp8(out=padded[:rows].view(-1))
+            cached = self._fp8_shard = (key, padded)
+        return (cached[1],), (scale, self._fp8_meta.fp8_dtype)
 
     @torch.no_grad()
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
