@@ -4,11 +4,12 @@ and the GPT model at TP=1, TP=2 and TP=2 with sequence parallelism."""
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import full_grads, make_config, setup_parallel
 from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, convert_to_fp8, fp8_linear, refresh_fp8_scales
-from megatron_fsdp.fp8.scaling import cast_to_fp8, scale_from_amax
+from megatron_fsdp.fp8.scaling import AmaxHistory, cast_to_fp8, scale_from_amax
 from megatron_fsdp.fp8.weight import Fp8TrainingWeight, Fp8WeightMeta
 from megatron_fsdp.models.gpt import GPTModel
 
@@ -146,6 +147,37 @@ def test_no_fp8_operand_is_copied_into_another_layout(recipe, weight_kind):
         assert x.grad is not None and w.grad is not None
         if recipe == "delayed":
             refresh_fp8_scales([_Holder(state)])
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += func in (torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.tolist)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("algo", ["most_recent", "max"])
+def test_a_non_finite_amax_leaves_the_history_and_is_decided_on_the_device(algo):
+    history = AmaxHistory(3, algo, E4M3, margin=0)
+    history.record(torch.tensor(float("inf")))
+    history.update(torch.tensor(float("inf")))  # the first steps overflow (fp16): nothing to learn from
+    assert not history.calibrated and float(history.amax_history.max()) == 0.0 and float(history.scale) == 1.0
+    history.record(torch.tensor(2.0))
+    history.update(torch.tensor(2.0))
+    assert history.calibrated and history.amax_history.tolist() == [2.0, 0.0, 0.0]
+    assert float(history.scale) == pytest.approx(224.0)
+    for amax in (float("inf"), float("nan")):
+        with _HostReads() as mode:
+            history.record(torch.tensor(amax))
+            history.update(torch.tensor(amax))
+        assert mode.reads == 0  # calibrated: the device decides
+        assert history.amax_history.tolist() == [2.0, 0.0, 0.0] and float(history.scale) == pytest.approx(224.0)
+        assert float(history.pending) == 0.0
+    history.update(torch.tensor(8.0))
+    assert history.amax_history.tolist() == [8.0, 2.0, 0.0] and float(history.scale) == pytest.approx(56.0)
 
 
 class _Holder(torch.nn.Module):

@@ -65,9 +65,12 @@ def _case_reads_per_step(argv):
 
 # Per step: the gradient norm, the NaN/inf verdict (one read of one all-reduce), fp16's found-inf
 # (with a loss scale that does not overflow: a skipped step computes no gradient norm).
-FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"]}
+# fp8 (delayed scaling, fp8 all-gather) adds none: scales and amaxes stay on the device.
+FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"],
+         "bf16-fp8": ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-param-gather"]}
 EXPECTED = {
     "bf16": {"clip_grads.py:get_grad_norm_fp32": 1, "utils.py:non_finite_ranks": 1},
+    "bf16-fp8": {"clip_grads.py:get_grad_norm_fp32": 1, "utils.py:non_finite_ranks": 1},
     "fp16": {"clip_grads.py:get_grad_norm_fp32": 1, "utils.py:non_finite_ranks": 1,
              "optimizer.py:_unscale_main_grads_and_check_for_nan": 1},
 }

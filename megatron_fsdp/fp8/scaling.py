@@ -110,17 +110,23 @@ class AmaxHistory:
         return self.pending
 
     def update(self, amax: torch.Tensor) -> None:
-        """Fold the reduced amax of the last step into the history and the scale."""
+        """Fold the reduced amax of the last step into the history and the scale.
+
+        A non-finite amax (an overflowing step, which fp16 skips) leaves both as they were: an
+        inf kept in the history would freeze the scale for history_len steps ("max") and reach
+        checkpoints. Once calibrated this is decided on the device, so a step reads nothing
+        back; before, whether the first amax is finite decides how the next step casts (current
+        scaling or the history's), which the host must know: one read per warm-up step."""
         self._materialize(amax.device)
-        if not torch.isfinite(amax).all():
-            # An overflowing step (fp16 skips it): an inf kept in the history
-            # would freeze the scale for history_len steps ("max") and reach checkpoints.
+        if not self.calibrated and not bool(torch.isfinite(amax).all()):
             self.pending.zero_()
             return
-        self.amax_history.copy_(torch.roll(self.amax_history, 1))
-        self.amax_history[0] = amax
+        finite = torch.isfinite(amax)
+        shifted = torch.cat((amax.reshape(1).to(self.amax_history.dtype), self.amax_history[:-1]))
+        self.amax_history.copy_(torch.where(finite, shifted, self.amax_history))
         chosen = self.amax_history[0] if self.compute_algo == "most_recent" else self.amax_history.max()
-        self.scale.copy_(scale_from_amax(chosen, self.dtype, self.margin, previous=self.scale))
+        scale = scale_from_amax(chosen, self.dtype, self.margin, previous=self.scale)
+        self.scale.copy_(torch.where(finite, scale, self.scale))
         self.pending.zero_()
         self.calibrated = self.calibrated or self._recorded
 
