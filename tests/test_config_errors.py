@@ -31,7 +31,7 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
     (dict(recompute_granularity="selective", recompute_modules=["mlp"]), ValueError, r"\['mlp'\]"),
     (dict(fp8="e5m2"), ValueError, r"fp8 must be one of \('e4m3', 'hybrid'\) or None, got 'e5m2'"),
     (dict(fp8="hybrid", fp8_recipe="mxfp8"), NotImplementedError,
-     r"fp8_recipe='mxfp8' is not supported by megatron_fsdp \(supported: \('tensorwise', 'delayed'\)\)"),
+     r"fp8_recipe='mxfp8' is not supported by megatron_fsdp \(supported: \('tensorwise', 'delayed', 'rowwise'\)\)"),
     (dict(fp8="e4m3", fp8_recipe="blockwise"), NotImplementedError, r"fp8_recipe='blockwise' is not supported"),
     (dict(fp8="e4m3", fp8_recipe="current"), ValueError, r"fp8_recipe must be one of .* got 'current'"),
     (dict(fp8="hybrid", fp8_amax_history_len=0), ValueError, r"fp8_amax_history_len must be an integer >= 1, got 0"),
@@ -62,7 +62,7 @@ def test_transformer_config_fp8_fields_have_megatron_defaults():
             cfg.fp8_wgrad, cfg.fp8_param, cfg.first_last_layers_bf16, cfg.num_layers_at_start_in_bf16,
             cfg.num_layers_at_end_in_bf16) == (None, "delayed", 0, 1, "most_recent", True, False, False, 1, 1)
     for fmt in ("e4m3", "hybrid"):
-        for recipe in ("tensorwise", "delayed"):
+        for recipe in ("tensorwise", "delayed", "rowwise"):
             TransformerConfig(**BASE, fp8=fmt, fp8_recipe=recipe, fp8_amax_compute_algo="max",
                               fp8_amax_history_len=16, first_last_layers_bf16=True, fp8_param=True)
 

@@ -253,7 +253,7 @@ def _case_gpt_step(tp, sp, fp8, recipe="tensorwise"):
     return loss.item(), full_grads(model), len(calls), fp8_layers
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
 def test_gpt_fp8_at_tp2_and_sequence_parallel_matches_tp1(pools, recipe):
     pool = pools(2)
     exact_loss, exact_grads, no_calls, no_layers = pool.run(_case_gpt_step, 1, False, None)[0]

@@ -15,7 +15,8 @@ fp8 weight all-gather (`DistributedDataParallelConfig(fp8_param_gather=True)`),
 the interface the FSDP wrapper uses, in order:
   1. `check_fp8_param_gather(config, ddp_config, reshard_after_forward)`:
      raises for combinations that cannot work (no fp8 in the config, an
-     integer reshard_after_forward, fp8_param without fp8_param_gather).
+     integer reshard_after_forward, fp8_param without fp8_param_gather, the
+     rowwise recipe).
      Configuration only, no communication.
   2. `convert_to_fp8_weights(module) -> int`: before fully_shard, replaces
      the weight of every linear that runs fp8 by an `Fp8TrainingWeight`

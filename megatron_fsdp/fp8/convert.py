@@ -25,6 +25,7 @@ from .. import _torch_compat, parallel_state
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformer.transformer_layer import TransformerLayer
 from ..utils import register_checkpoint_state, register_post_step_hook, register_weights_changed_hook
+from .gemm import check_rowwise_support
 from .linear import Fp8LinearState, _fp8_linears, check_fp8_weight_shape, fp8_linear
 from .recipe import Fp8Recipe, layer_runs_fp8
 from .refresh import load_fp8_state_dict, refresh_fp8_scales, refresh_fp8_weight_scales
@@ -158,6 +159,11 @@ def convert_to_fp8(model: nn.Module, config=None) -> int:
     linears = linears_to_convert(model, config)
     if linears:
         recipe = Fp8Recipe.from_config(config)
+        if recipe.rowwise:
+            out_dtype = (torch.bfloat16 if getattr(config, "bf16", False) else
+                         torch.float16 if getattr(config, "fp16", False) else torch.float32)
+            check_rowwise_support(parallel_state.get_device_or_cpu(), out_dtype, recipe.forward_dtype,
+                                  recipe.backward_dtype)
         for _, linear in linears:
             to_fp8_linear(linear, recipe, check_shape=False)  # checked above
         if not getattr(model, "_fp8_hooks_registered", False):
@@ -187,6 +193,10 @@ def check_fp8_param_gather(config, ddp_config, reshard_after_forward) -> None:
     if getattr(config, "fp8", None) is None:
         raise ValueError("fp8_param_gather=True needs fp8 training: set TransformerConfig.fp8 "
                          "(--fp8-format) to 'e4m3' or 'hybrid'")
+    if getattr(config, "fp8_recipe", None) == "rowwise":
+        raise NotImplementedError("fp8_param_gather=True with fp8_recipe='rowwise' is not supported: a gathered "
+                                  "weight carries one scale, rowwise needs one per row; use "
+                                  "fp8_recipe='tensorwise' or 'delayed', or leave fp8_param_gather off")
     check_fp8_reshard(reshard_after_forward)
 
 

@@ -16,7 +16,8 @@ weight (dW); the bias is added by the caller.
 
 The weight may be an `Fp8GatheredWeight` (gathered in fp8 by FSDP), an
 `Fp8TrainingWeight` (cast with its precomputed scale) or a plain tensor
-(cast with its current amax).
+(cast with its current amax). The "rowwise" recipe has its own autograd
+function (rowwise.py); this one scales per tensor.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ from typing import Optional
 
 import torch
 
-from .. import _torch_compat
+from .gemm import GEMM_ALIGNMENT, scaled_mm as _scaled_mm
 from .recipe import Fp8Recipe
+from .rowwise import rowwise_fp8_linear
 from .scaling import AmaxHistory, cast_to_fp8, cast_transpose_to_fp8, scale_from_amax, tensor_amax
 from .weight import Fp8GatheredWeight, Fp8TrainingWeight
-
-GEMM_ALIGNMENT = 16
-
 
 class Fp8LinearState:
     """The recipe of one fp8 linear and, under "delayed", the amax histories
@@ -111,10 +110,6 @@ def _weight_fp8(weight: torch.Tensor, recipe: Fp8Recipe,
     return cast_to_fp8(weight, scale, recipe.forward_dtype), None, scale
 
 
-def _scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, out=None):
-    return _torch_compat.scaled_mm(a, b, inv_scale_a.float(), inv_scale_b.float(), out_dtype, out=out)
-
-
 class _Fp8Linear(torch.autograd.Function):
     """Every fp8 operand comes out of its cast in the layout its GEMMs take: the row-major
     copy for the first operand, the transposed copy (`.t()`: column-major) for the second. No
@@ -174,6 +169,8 @@ class _Fp8Linear(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: Fp8LinearState) -> torch.Tensor:
     """x @ weight^T (no bias) with fp8 GEMMs; `weight` is a local [out, in] tensor."""
+    if state.recipe.rowwise:
+        return rowwise_fp8_linear(x, weight, state.recipe)
     # Forwards without autograd (evaluation, the first pass of activation
     # recompute) leave the delayed-scaling histories to training forwards.
     return _Fp8Linear.apply(x, weight, state, torch.is_grad_enabled())

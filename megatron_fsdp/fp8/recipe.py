@@ -11,6 +11,12 @@ Recipes (`config.fp8_recipe`), for activations and output gradients:
 steps (`fp8_amax_history_len` entries, reduced with `fp8_amax_compute_algo`),
 as Transformer Engine's delayed scaling does. Weights always use the amax of
 their current values: it is known exactly once per step (see refresh.py).
+"rowwise" scales every operand of every GEMM (weights included) per row of
+the reduction: one scale per token, per output feature, ... from the current
+values (torchao's rowwise recipe: an outlier costs precision in its own row
+only). It needs a torch._scaled_mm that takes row scales on the device
+(`check_rowwise_support`), and does not combine with fp8 weight all-gather,
+whose weights carry one scale.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ class Fp8Recipe:
     @property
     def delayed(self) -> bool:
         return self.recipe == "delayed"
+
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
 
     @classmethod
     def from_config(cls, config) -> "Fp8Recipe":

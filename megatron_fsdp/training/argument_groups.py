@@ -153,7 +153,8 @@ def _fp8(p) -> None:
     a = g.add_argument
     a("--fp8-format", dest="fp8", choices=["e4m3", "hybrid"], default=None,
       help="fp8 GEMMs in the transformer layers' linears (hybrid: e5m2 gradients)")
-    a("--fp8-recipe", choices=["tensorwise", "delayed"], default="delayed", help="activation/gradient scaling")
+    a("--fp8-recipe", choices=["tensorwise", "delayed", "rowwise"], default="delayed",
+      help="scaling: per tensor now (tensorwise), from amax histories (delayed), per row (rowwise)")
     a("--fp8-margin", type=int, default=0, help="scale margin (powers of two)")
     a("--fp8-amax-history-len", type=int, default=1, help="amax history of delayed scaling")
     a("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent",

@@ -19,7 +19,7 @@ _RECOMPUTE_MODULES = ("core_attn",)
 
 
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed")
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise")
 # Megatron-Core accepts these; they need Transformer Engine kernels we do not have.
 _TE_ONLY_FP8_RECIPES = ("mxfp8", "blockwise", "custom")
 FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
