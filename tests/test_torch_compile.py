@@ -1,7 +1,8 @@
 """Per-layer torch.compile (`--torch-compile`, TorchFullyShardedDataParallelConfig.torch_compile):
 each TransformerLayer compiled before it is sharded, composing with FSDP2, TP with sequence
-parallelism, activation recomputation and mixed precision: the losses of pretrain() with and
-without it agree (inductor's CPU backend here); fp8 is refused before any work."""
+parallelism, activation recomputation, mixed precision and fp8 (tensorwise or rowwise): the
+losses of pretrain() with and without it agree (inductor's CPU backend here); delayed fp8
+scaling is refused before any work."""
 
 import re
 
@@ -51,7 +52,9 @@ def _job_counting_compiles(argv):
     ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
      "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     ["--fp16", "--initial-loss-scale", "1024"],  # a scale that does not overflow: every step counts
-], ids=["bf16-tp2-sp-recompute", "fp16"])
+    # fp8 GEMMs traced whole (the cast-transpose ops included), fp8 weight all-gather.
+    ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"],
+], ids=["bf16-tp2-sp-recompute", "fp16", "fp8-tensorwise-gather"])
 def test_compiled_layers_train_like_eager_ones(pools, extra):
     runs = {}
     for compiled in (False, True):
@@ -69,12 +72,17 @@ def test_compiled_layers_train_like_eager_ones(pools, extra):
     assert compiled == pytest.approx(eager, rel=1e-3), (eager, compiled)
 
 
-def test_fp8_is_refused_before_any_work():
-    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True, fp8="hybrid")
-    with pytest.raises(NotImplementedError, match=r"per-layer compilation \(torch_compile\) with fp8 training is "
-                                                  "not supported yet"):
+def test_delayed_fp8_scaling_is_refused_before_any_work():
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True, fp8="hybrid",
+                               fp8_recipe="delayed")
+    with pytest.raises(NotImplementedError, match=r"per-layer compilation \(torch_compile\) with "
+                                                  r"fp8_recipe='delayed' is not supported yet"):
         check_torch_compile(config, TorchFullyShardedDataParallelConfig(torch_compile=True))
-    check_torch_compile(config, TorchFullyShardedDataParallelConfig())  # eager fp8: fine
+    check_torch_compile(config, TorchFullyShardedDataParallelConfig())  # eager: fine
+    for recipe in ("tensorwise", "rowwise"):
+        check_torch_compile(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True,
+                                              fp8="hybrid", fp8_recipe=recipe),
+                            TorchFullyShardedDataParallelConfig(torch_compile=True))
 
 
 def test_the_config_field_is_checked():

@@ -246,12 +246,15 @@ def _data_parallel_mesh(ddp_config, module: nn.Module, process_group: Optional[d
 
 def check_torch_compile(config, ddp_config) -> None:
     """The combinations per-layer compile cannot serve (configuration only: every rank alike).
-    FSDP2, TP with sequence parallelism, activation recomputation, fp32, bf16 and fp16
-    compose (tests/test_torch_compile.py); fp8 does not yet."""
-    if getattr(ddp_config, "torch_compile", False) and getattr(config, "fp8", None) is not None:
+    FSDP2, TP with sequence parallelism, activation recomputation, fp32, bf16, fp16 and fp8
+    with the tensorwise or rowwise recipe compose (tests/test_torch_compile.py)."""
+    if (getattr(ddp_config, "torch_compile", False) and getattr(config, "fp8", None) is not None
+            and getattr(config, "fp8_recipe", None) == "delayed"):
         raise NotImplementedError(
-            "per-layer compilation (torch_compile) with fp8 training is not supported yet: its amax and cast "
-            "kernels cannot be traced on symbolic shapes; train with fp8 eagerly, or compile without it")
+            "per-layer compilation (torch_compile) with fp8_recipe='delayed' is not supported yet: delayed "
+            "scaling records every cast's amax into its history, a side effect torch.compile cannot trace "
+            "inside the fp8 GEMMs' autograd function; use fp8_recipe='tensorwise' or 'rowwise' with it, or "
+            "train eagerly")
 
 
 def _layers_to_compile(ddp_config, module: nn.Module, units) -> tuple:

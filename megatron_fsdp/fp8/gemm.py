@@ -22,6 +22,17 @@ def scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, out=None):
     return _torch_compat.scaled_mm(a, b, inv_scale_a.float(), inv_scale_b.float(), out_dtype, out=out)
 
 
+def scaled_mm_shaped(a, b, inv_scale_a, inv_scale_b, out_dtype, shape) -> torch.Tensor:
+    """a @ b as a new tensor of `shape` (a's rows unflattened) that is no view: FSDP warns
+    about module outputs that are views. Eagerly the GEMM writes into it (`out=`); traced by
+    torch.compile, whose fake tensors have no `out=` variant of the GEMM, it is reshaped."""
+    if torch.compiler.is_compiling():
+        return scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype).view(shape)
+    out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    scaled_mm(a, b, inv_scale_a, inv_scale_b, out_dtype, out=out.view(-1, b.size(1)))
+    return out
+
+
 @lru_cache(maxsize=None)
 def _rowwise_error(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype,
                    out_dtype: torch.dtype) -> Optional[str]:

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .gemm import GEMM_ALIGNMENT, scaled_mm as _scaled_mm
+from .gemm import GEMM_ALIGNMENT, scaled_mm as _scaled_mm, scaled_mm_shaped
 from .recipe import Fp8Recipe
 from .rowwise import rowwise_fp8_linear
 from .scaling import AmaxHistory, cast_to_fp8, cast_transpose_to_fp8, scale_from_amax, tensor_amax
@@ -125,10 +125,7 @@ class _Fp8Linear(torch.autograd.Function):
         xq, xq_t, x_inv = _quantize(x2, state.input, recipe.forward_dtype, recipe.margin, record=record,
                                     transposed=wgrad_in_fp8)
         wq, wq_t, w_scale = _weight_fp8(weight, recipe, transposed=x_grad)
-        # Written through a 2-D view of the output: the output itself is no
-        # view (FSDP warns about module outputs that are views).
-        out = torch.empty((*x.shape[:-1], wq.size(0)), dtype=x.dtype, device=x.device)
-        _scaled_mm(xq, wq.t(), x_inv, w_scale.reciprocal(), x.dtype, out=out.view(-1, wq.size(0)))
+        out = scaled_mm_shaped(xq, wq.t(), x_inv, w_scale.reciprocal(), x.dtype, (*x.shape[:-1], wq.size(0)))
         ctx.state = state
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         # A gathered weight is saved as itself: FSDP frees its bytes after

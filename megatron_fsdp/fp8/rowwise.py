@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gemm import GEMM_ALIGNMENT, scaled_mm
+from .gemm import GEMM_ALIGNMENT, scaled_mm, scaled_mm_shaped
 from .recipe import Fp8Recipe
 from .scaling import fp8_max, scale_from_amax
 
@@ -48,8 +48,7 @@ class _RowwiseFp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.size(-1))
         xq, x_inv = rowwise_cast(x2, fwd, margin)
         wq, w_inv = rowwise_cast(weight, fwd, margin)
-        out = torch.empty((*x.shape[:-1], wq.size(0)), dtype=x.dtype, device=x.device)
-        scaled_mm(xq, wq.t(), x_inv, w_inv.t(), x.dtype, out=out.view(-1, wq.size(0)))
+        out = scaled_mm_shaped(xq, wq.t(), x_inv, w_inv.t(), x.dtype, (*x.shape[:-1], wq.size(0)))
         # What backward reads, cast now (the weight is at hand; x in fp8 is a quarter of fp32).
         saved_w = rowwise_cast(weight.t(), fwd, margin) if x_grad else ()
         if w_grad and recipe.wgrad:

@@ -26,6 +26,7 @@ from .extension import (  # noqa: F401  (the package's face)
     extension_available,
     extension_has_cuda,
     extension_import_error,
+    extension_serves,
 )
 from .amax import multi_tensor_amax  # noqa: F401  (the other kernels' faces, each with its fallback)
 from .crc import crc32c  # noqa: F401
@@ -54,7 +55,7 @@ def pack_into(inputs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     (casting to out's dtype). Raises before writing anything if `out` is too
     small or on another device."""
     ext = _load_extension()
-    if (out.device.type == "cpu" and extension_available()) or (out.device.type == "cuda" and extension_has_cuda()):
+    if extension_serves(out.device.type):
         ext.pack_into(list(inputs), out)  # direct call: no per-tensor boxing
     else:
         _pack_into_reference(inputs, out)

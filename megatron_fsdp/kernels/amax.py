@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .extension import _load_extension, extension_available, extension_has_cuda
+from .extension import _load_extension, extension_serves
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -50,6 +50,6 @@ def multi_tensor_amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.empty(0, dtype=torch.float32)
     device = tensors[0].device.type
-    if (device == "cpu" and extension_available()) or (device == "cuda" and extension_has_cuda()):
+    if extension_serves(device):
         return _load_extension().multi_tensor_amax(tensors)
     return _multi_tensor_amax_reference(tensors)

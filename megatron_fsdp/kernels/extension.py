@@ -16,6 +16,8 @@ import importlib.util
 import sys
 import warnings
 
+import torch
+
 from . import build_check
 
 
@@ -55,6 +57,15 @@ def extension_available() -> bool:
 def extension_has_cuda() -> bool:
     ext = _load_extension()
     return not isinstance(ext, ImportError) and bool(ext.has_cuda)
+
+
+@torch.compiler.assume_constant_result
+def extension_serves(device_type: str) -> bool:
+    """Whether the extension has kernels for tensors on `device_type` ("cpu" or "cuda"). Fixed for
+    the process, and a compiled graph takes it as a constant instead of tracing the loader."""
+    if device_type == "cpu":
+        return extension_available()
+    return device_type == "cuda" and extension_has_cuda()
 
 
 def extension_import_error() -> ImportError | None:

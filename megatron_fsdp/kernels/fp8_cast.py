@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .extension import extension_available, extension_has_cuda
+from .extension import extension_serves
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -49,7 +49,7 @@ def cast_to_fp8(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     if out is None:
         out = torch.empty(src.shape, dtype=torch.uint8, device=src.device)
     device = src.device.type
-    if (device == "cpu" and extension_available()) or (device == "cuda" and extension_has_cuda()):
+    if extension_serves(device):
         torch.ops.megatron_fsdp.cast_to_fp8(src.detach(), scale.detach(), dtype, out)
         return out
     if src.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -89,7 +89,7 @@ def cast_transpose_to_fp8(src: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     out_t = torch.empty((cols, -(-rows // pad_rows_to) * pad_rows_to), dtype=torch.uint8, device=src.device)
     amax = torch.empty(1, dtype=torch.float32, device=src.device)
     device = src.device.type
-    if (device == "cpu" and extension_available()) or (device == "cuda" and extension_has_cuda()):
+    if extension_serves(device):
         torch.ops.megatron_fsdp.cast_transpose_to_fp8(src.detach(), scale.detach(), dtype, out, out_t, amax)
         return out, out_t, amax
     if src.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):

@@ -130,7 +130,8 @@ def build_configs(args) -> TrainingConfigs:
     """Every config of the run, each validated by its own dataclass (raises
     ValueError/NotImplementedError in the dataclasses' words)."""
     model, ddp = core_transformer_config_from_args(args), ddp_config_from_args(args)
-    check_torch_compile(model, ddp)  # the wrapper's plan checks these again for API users
+    # The wrapper's plan checks these again for API users.
+    check_torch_compile(model, ddp)
     check_fp8_param_gather(model, ddp, getattr(ddp, "reshard_after_forward", True))
     return TrainingConfigs(model=model, ddp=ddp, optimizer=optimizer_config_from_args(args),
                            scheduler=scheduler_kwargs_from_args(args))
