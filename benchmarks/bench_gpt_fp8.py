@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 benchmarks/bench_gpt_fp8.py --tp 2
     # one GPU, a GPT with hidden 4096 (scripts/gpu_check.sh runs it so, without torchrun):
     python benchmarks/bench_gpt_fp8.py --preset gpu
+    # issue 20's shapes: --preset 1b, --preset 8b --arms bf16,fp8 (80 GB)
 
 Three arms wrap the same GPT (same seed) with TorchFullyShardedDataParallel
 under bf16 mixed precision:
@@ -15,7 +16,9 @@ refreshes their scales). Steps alternate between arms in rounds
 (benchmarks/_common.py). All-gather bytes (all parameters, fp8
 and not) are counted by wrapping the collective over one step. MFU is the model's FLOPs (Megatron-LM's
 formula, megatron_fsdp.training.flops) per second over the bf16 dense-matmul
-rate measured on this device in the same run. Rank 0 prints a table and one
+rate measured on this device in the same run. One more profiled step per arm
+gives the shares of its op time spent in GEMMs and in fp8 casts (with their
+amaxes). Rank 0 prints a table and one
 JSON line per arm (with a "case" key, as scripts/gpu_check.sh reads them).
 Started without torchrun, it runs as a single process; with no arguments on
 a CUDA machine it uses `--preset gpu`.
@@ -64,9 +67,39 @@ class CountAllGatherBytes:
         return collective
 
 
-# hidden 4096: about 1.1B parameters; three arms with fp32 masters and Adam
-# state take about 52 GB, within one 80 GB GPU.
-GPU_PRESET = dict(layers=4, hidden=4096, heads=32, seq=2048, micro_batch=2, vocab=32768, rounds=3)
+# gpu: hidden 4096, about 1.1B parameters; three arms with fp32 masters and Adam
+# state take about 52 GB, within one 80 GB GPU. 1b and 8b: issue 20's shapes
+# (a Llama-1B-like GPT, and 8 layers of Llama-8B's shape; attention with as
+# many key/value heads as query heads, a GELU MLP of that width). 8b holds
+# about 1.7B parameters: with all three arms about 84 GB of state, so on an
+# 80 GB GPU pass --arms "bf16,fp8".
+PRESETS = {
+    "gpu": dict(layers=4, hidden=4096, heads=32, seq=2048, micro_batch=2, vocab=32768, rounds=3),
+    "1b": dict(layers=16, hidden=2048, heads=16, ffn_hidden=8192, seq=2048, micro_batch=4, vocab=32768, rounds=3),
+    "8b": dict(layers=8, hidden=4096, heads=32, ffn_hidden=14336, seq=2048, micro_batch=2, vocab=32768, rounds=3),
+}
+# What a step's time is spent in, by op (the self time of each; on CUDA its kernels' time).
+GEMM_OPS = ("aten::_scaled_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+CAST_OPS = ("megatron_fsdp::cast_transpose_to_fp8", "megatron_fsdp::cast_to_fp8", "megatron_fsdp::multi_tensor_amax",
+            "aten::aminmax", "aten::amax", "aten::clamp", "aten::_to_copy")
+
+
+def time_shares(step, device) -> dict:
+    """One profiled step: the shares of its op time spent in GEMMs and in fp8 casts (with their
+    amaxes; under bf16, `aten::_to_copy` counts the casts of the mixed-precision policy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    def self_time(e):
+        return getattr(e, "self_device_time_total", e.self_cuda_time_total) if cuda else e.self_cpu_time_total
+    total = sum(self_time(e) for e in ops) or 1
+    return {"gemm_share": sum(self_time(e) for e in ops if e.key in GEMM_OPS) / total,
+            "cast_share": sum(self_time(e) for e in ops if e.key in CAST_OPS) / total}
 
 
 def main():
@@ -74,14 +107,19 @@ def main():
     add_gpt_arguments(p, steps_per_round=2)
     p.add_argument("--ffn-hidden", type=int, default=None, help="default 4 x hidden")
     p.add_argument("--matmul-size", type=int, default=None, help="operand size of the peak-rate probe")
-    p.add_argument("--preset", choices=["gpu"], default=None, help=f"gpu: {GPU_PRESET}")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="; ".join(f"{name}: {preset}" for name, preset in PRESETS.items()))
+    p.add_argument("--arms", default=",".join(ARMS), help=f"a comma-separated subset of {list(ARMS)}")
     argv = sys.argv[1:]
     if not argv and torch.cuda.is_available():
         argv = ["--preset", "gpu"]
     args = p.parse_args(argv)
-    if args.preset == "gpu":
-        p.set_defaults(**GPU_PRESET)
+    if args.preset:
+        p.set_defaults(**PRESETS[args.preset])
         args = p.parse_args(argv)
+    chosen = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if "bf16" not in chosen or any(a not in ARMS for a in chosen):
+        p.error(f"--arms: {args.arms!r}; a comma-separated subset of {list(ARMS)} that holds bf16 (the baseline)")
     single_process_defaults()
 
     with gpt_benchmark_job(args) as base_config:
@@ -90,7 +128,8 @@ def main():
         device = parallel_state.get_device()
         counter = CountAllGatherBytes()
         arms = {}
-        for name, (fields, fp8_gather) in ARMS.items():
+        for name in chosen:
+            fields, fp8_gather = ARMS[name]
             config = dataclasses.replace(base_config, bf16=True, ffn_hidden_size=args.ffn_hidden or 4 * args.hidden,
                                          **fields)
             ddp_config = TorchFullyShardedDataParallelConfig(fp8_param_gather=fp8_gather, fsdp_copy_kernels=True)
@@ -114,6 +153,7 @@ def main():
             counter.on = False
             gathered[name] = counter.bytes
         step_ms = time_arms_in_rounds(step, arms, args.rounds, args.steps_per_round)
+        shares = {name: time_shares(lambda: step(name), device) for name in arms}
 
         dp = parallel_state.get_data_parallel_world_size()
         world = dist.get_world_size()
@@ -136,19 +176,19 @@ def main():
                 "speedup_vs_bf16": step_ms["bf16"] / step_ms[name],
                 "all_gather_bytes_per_rank_per_step": gathered[name],
                 "all_gather_ratio_vs_bf16": gathered[name] / max(gathered["bf16"], 1),
-                "last_loss": losses[name],
+                "last_loss": losses[name], **shares[name],
             }
         if dist.get_rank() == 0:
             print(f"TP{args.tp} x DP{dp}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
                   f"micro batch {args.micro_batch}, {result['device']}; measured bf16 matmul "
                   f"{peak:.2f} TFLOP/s per rank")
             print(f"{'arm':<18} {'step ms':>9} {'x bf16':>7} {'tok/s/rank':>11} {'TFLOP/s':>8} {'MFU':>6} "
-                  f"{'AG MiB/step':>12} {'AG x bf16':>10}")
+                  f"{'AG MiB/step':>12} {'AG x bf16':>10} {'GEMMs':>6} {'casts':>6}")
             for name, r in result["arms"].items():
                 print(f"{name:<18} {r['step_ms']:>9.1f} {r['speedup_vs_bf16']:>7.2f} "
                       f"{r['tokens_per_s_per_rank']:>11.0f} {r['tflops_per_rank']:>8.2f} "
                       f"{r['mfu_vs_measured_bf16']:>6.1%} {r['all_gather_bytes_per_rank_per_step'] / 2**20:>12.2f} "
-                      f"{r['all_gather_ratio_vs_bf16']:>10.3f}")
+                      f"{r['all_gather_ratio_vs_bf16']:>10.3f} {r['gemm_share']:>6.1%} {r['cast_share']:>6.1%}")
             common = {k: v for k, v in result.items() if k != "arms"}
             for name, r in result["arms"].items():
                 print(json.dumps({"case": f"gpt {name}", "ours_ms": round(r["step_ms"], 3),
