@@ -10,6 +10,9 @@ amax, per case (a set of weights):
   bound     torch.amax over one flat buffer of the same bytes: a single reduction, the physical bound
 cast (one tensor): ours (`kernels.cast_to_fp8`) vs torch's `(x.float() * s).clamp(-m, m).to(fp8)`,
 and a plain copy of as many bytes (read 4, write 1 per element) as the bound.
+cast-transpose (one 8192 x 2048 activation): ours (`kernels.cast_transpose_to_fp8`: both fp8
+layouts and the amax in one pass) vs torch's cast, `.t().contiguous()` and amax; the bound reads
+the input once and writes two bytes per element (issue 20's target: within 1.3x of it).
 
 Every arm runs once per round, rounds alternate the arms (noise hits all
 alike); each arm's best round is reported, in ms, with the ratios and, on
@@ -86,6 +89,38 @@ def bench_cast(dtype: torch.dtype, repeats: int, device: torch.device) -> dict:
     return row
 
 
+def bench_cast_transpose(dtype: torch.dtype, repeats: int, device: torch.device) -> dict:
+    """One activation of the 1B shape (8192 tokens x 2048): both fp8 layouts and the amax, ours in
+    one pass against torch's cast, transpose made contiguous and amax (what the fp8 linear did)."""
+    rows, cols = 8192, 2048
+    x = (torch.randn(rows, cols, device=device) * 300).to(dtype)
+    scale = torch.tensor(0.9, device=device)
+    fp8, fp8_max = torch.float8_e4m3fn, 448.0
+
+    def torch_way():
+        cast = (x.float() * scale).clamp(-fp8_max, fp8_max).to(fp8).view(torch.uint8)
+        return cast, cast.t().contiguous(), x.abs().amax().float()
+
+    ours = kernels.cast_transpose_to_fp8(x, scale, fp8)
+    expected = torch_way()
+    if not (torch.equal(ours[0], expected[0]) and torch.equal(ours[1], expected[1])
+            and torch.equal(ours[2].reshape(()), expected[2])):
+        raise SystemExit("cast_transpose_to_fp8 differs from torch's cast, transpose and amax")
+    out = torch.empty(2 * rows * cols, dtype=torch.uint8, device=device)
+    ms = best_of_rounds({
+        "ours": lambda: kernels.cast_transpose_to_fp8(x, scale, fp8),
+        "torch": torch_way,
+        # Read x once (a reduction) and write two bytes per element (a fill): one pass's traffic.
+        "bound": lambda: (x.amax(), out.fill_(0)),
+    }, repeats, device)
+    row = {"case": f"cast_transpose_to_fp8/8192x2048/{str(dtype).replace('torch.', '')}->e4m3",
+           "ours_ms": round(ms["ours"], 4), "torch_ms": round(ms["torch"], 4), "bound_ms": round(ms["bound"], 4),
+           "torch_over_ours": round(ms["torch"] / ms["ours"], 2), "ours_over_bound": round(ms["ours"] / ms["bound"], 2)}
+    if device.type == "cuda":
+        row["ours_gbps"] = round(rows * cols * (x.element_size() + 2) / ms["ours"] / 1e6, 1)
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -103,6 +138,7 @@ def main():
             raise SystemExit(f"--cases: unknown case {name!r}; choose from {', '.join(CASES)}")
         print(json.dumps(bench_amax(name, dtype, args.repeats, device)), flush=True)
     print(json.dumps(bench_cast(dtype, args.repeats, device)), flush=True)
+    print(json.dumps(bench_cast_transpose(dtype, args.repeats, device)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 // cast-transpose to fp8 on the CPU (see fp8_kernels.h): the checks every
 // device shares, and the kernel. The rows are cut into blocks of kRows; each
 // block is one item of one parallel region and walks its rows in tiles of
-// kRows x kCols, so that the transposed writes of a tile land in kRows-byte
-// runs of kCols rows of out_t instead of one byte per row per element.
+// kRows x kCols: each row piece is cast into out (a loop over contiguous
+// elements, which vectorizes), then the tile, still in cache, is copied
+// transposed into out_t in kRows-byte runs.
 
 #include "fp8_kernels.h"
 
@@ -16,6 +17,21 @@ namespace {
 
 constexpr int64_t kRows = 64;
 constexpr int64_t kCols = 64;
+
+// One row piece: out[j] = fp8 bits of in[j * stride] (scaled, saturated); returns max |in| as
+// the input's bits. With stride 1 (the usual, a contiguous input) the loop vectorizes.
+template <typename S, typename F8, bool kContiguous>
+typename AmaxTraits<S>::Bits cast_row(const S* __restrict in, int64_t stride, uint8_t* __restrict out,
+                                      int64_t n, float scale, float max) {
+  typename AmaxTraits<S>::Bits bits = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const S x = in[kContiguous ? j : j * stride];
+    const auto b = abs_bits(x);
+    bits = b > bits ? b : bits;
+    out[j] = scaled_fp8_bits<S, F8>(x, scale, max);
+  }
+  return bits;
+}
 
 }  // namespace
 
@@ -68,17 +84,17 @@ void cast_transpose_to_fp8_cpu(const at::Tensor& src, const at::Tensor& scale, a
           const int64_t i0 = block * kRows, i1 = std::min(m, i0 + kRows);
           Bits bits = 0;
           for (int64_t j0 = 0; j0 < k; j0 += kCols) {
-            const int64_t j1 = std::min(k, j0 + kCols);
+            const int64_t width = std::min(k, j0 + kCols) - j0;
             for (int64_t i = i0; i < i1; ++i) {
-              const S* row = in + i * s0;
-              for (int64_t j = j0; j < j1; ++j) {
-                const S x = row[j * s1];
-                const Bits b = abs_bits(x);
-                bits = b > bits ? b : bits;
-                const uint8_t v = scaled_fp8_bits<S, F8>(x, scale_value, max);
-                dst[i * k + j] = v;
-                dst_t[j * mt + i] = v;
-              }
+              uint8_t* o = dst + i * k + j0;
+              const S* row = in + i * s0 + j0 * s1;
+              bits = std::max(bits, s1 == 1 ? cast_row<S, F8, true>(row, 1, o, width, scale_value, max)
+                                            : cast_row<S, F8, false>(row, s1, o, width, scale_value, max));
+            }
+            // The tile just written is in cache: its transpose, in runs of up to kRows bytes.
+            for (int64_t j = j0; j < j0 + width; ++j) {
+              uint8_t* t = dst_t + j * mt;
+              for (int64_t i = i0; i < i1; ++i) t[i] = dst[i * k + j];
             }
           }
           block_amax[static_cast<size_t>(block)] = AmaxTraits<S>::float_bits(bits);
