@@ -12,7 +12,7 @@ from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.training.checkpointing import load_checkpoint, save_checkpoint
 
-VOCAB, SEQ, MICRO, STEPS = 64, 32, 4, 20
+VOCAB, SEQ, MICRO, STEPS = 64, 32, 4, 16  # 16 steps: the loss falls to 0.44 of its start
 FP8 = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max")
 
 
@@ -58,7 +58,7 @@ def _case_curves():
     return {name: _train(*_build(fp8), range(STEPS)) for name, fp8 in (("bf16", False), ("fp8", True))}
 
 
-@pytest.mark.slow  # about 25 s on 2 cores: 20 steps of a TP2 x DP2 GPT, twice
+@pytest.mark.slow  # about 20 s on 2 cores: 16 steps of a TP2 x DP2 GPT, twice
 def test_fp8_with_fp8_all_gather_learns_like_bf16(pools):
     curves = pools(4).run(_case_curves)[0]
     bf16, fp8 = (sum(curves[name][-5:]) / 5 for name in ("bf16", "fp8"))
