@@ -119,7 +119,8 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, state: Fp8LinearState, record: bool):
         recipe = state.recipe
-        x_grad, w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # `record`: autograd is on. Without it (evaluation) no backward comes: nothing to prepare.
+        x_grad, w_grad = ctx.needs_input_grad[0] and record, ctx.needs_input_grad[1] and record
         wgrad_in_fp8 = recipe.wgrad and w_grad
         x2 = x.reshape(-1, x.size(-1))
         xq, xq_t, x_inv = _quantize(x2, state.input, recipe.forward_dtype, recipe.margin, record=record,
