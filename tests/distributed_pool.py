@@ -140,12 +140,19 @@ class WorkerPool:
         return outcomes
 
     def close(self) -> None:
+        self.ask_to_stop()
+        self.join()
+
+    def ask_to_stop(self) -> None:
+        """Tell every rank to shut down, without waiting (pools stop side by side: `join`)."""
         self.broken = True
         for q in self._tasks:
             try:
                 q.put(None)
             except (ValueError, OSError):
                 pass
+
+    def join(self) -> None:
         for p in self._procs:
             p.join(timeout=5)
             if p.is_alive():
