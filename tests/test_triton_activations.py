@@ -52,10 +52,10 @@ def _case(kind, dtype, bias, rows=37, width=96, seed=0):
 @pytest.mark.parametrize("layout", ["interleaved", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernels_match_the_eager_fp32_formulas(kind, layout, dtype, bias):
+def test_kernels_match_the_eager_fp32_formulas(kind, layout, dtype, bias, rows=37, width=96):
     if kind == "gelu" and layout == "blocked":
         pytest.skip("layouts are of gated inputs")
-    y, b = _case(kind, dtype, bias)
+    y, b = _case(kind, dtype, bias, rows=rows, width=width)
     out = ta.bias_act_fwd(y, b, ta.CODES[kind], layout)
     yi = _interleaved(y, layout)
     bi = _interleaved(b, layout) if b is not None else None
@@ -68,6 +68,14 @@ def test_kernels_match_the_eager_fp32_formulas(kind, layout, dtype, bias):
     dy = ta.bias_act_bwd(grad_out, y, b, ta.CODES[kind], layout)
     want_dy = fused_activations._backward_fp32(grad_out.float(), x, kind).to(dtype)
     torch.testing.assert_close(_interleaved(dy, layout), want_dy, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("kind, layout", [("gelu", "interleaved"), ("swiglu", "interleaved"),
+                                          ("geglu", "blocked")])
+def test_rows_wider_than_a_block_of_the_grid(kind, layout):
+    """A row of 1100 outputs spans two column blocks of the 2-D grid (1024 wide), the second
+    masked; 2 x 3 rows."""
+    test_kernels_match_the_eager_fp32_formulas(kind, layout, torch.float32, True, rows=2, width=1100)
 
 
 @pytest.mark.parametrize("kind", ["gelu", "geglu", "swiglu"])

@@ -58,15 +58,15 @@ def _sigmoid(a):
 
 
 @triton.jit
-def _offsets(i, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr):
-    """Flat output index i -> (gate or input offset, up offset) in y, and their bias indices."""
+def _offsets(row, j, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr):
+    """Output column j of a row -> (gate or input offset, up offset) in y, and their bias
+    indices. From the row and column (a 2-D grid), not a flat index: no division per element."""
+    base = row * C
     if KIND == 0:
-        return i, i, i % C, i % C
-    row = i // F
-    j = i - row * F
+        return base + j, base + j, j, j
     if BLOCKED:
-        return row * C + j, row * C + F + j, j, F + j
-    return row * C + 2 * j, row * C + 2 * j + 1, 2 * j, 2 * j + 1
+        return base + j, base + F + j, j, F + j
+    return base + 2 * j, base + 2 * j + 1, 2 * j, 2 * j + 1
 
 
 @triton.jit
@@ -79,12 +79,14 @@ def _load_fp32(y_ptr, off, bias_ptr, bias_off, mask, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _bias_act_fwd_kernel(y_ptr, bias_ptr, out_ptr, n, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr,
+def _bias_act_fwd_kernel(y_ptr, bias_ptr, out_ptr, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SQRT_2_OVER_PI: tl.constexpr, CUBIC: tl.constexpr,
                          CUBIC_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    a_off, b_off, a_bias, b_bias = _offsets(i, F, C, KIND, BLOCKED)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < F
+    i = row * F + j  # the output's (and the output gradient's) offset
+    a_off, b_off, a_bias, b_bias = _offsets(row, j, F, C, KIND, BLOCKED)
     a = _load_fp32(y_ptr, a_off, bias_ptr, a_bias, mask, HAS_BIAS)
     if KIND == 2:
         act = a * _sigmoid(a)
@@ -96,12 +98,14 @@ def _bias_act_fwd_kernel(y_ptr, bias_ptr, out_ptr, n, F, C, KIND: tl.constexpr, 
 
 
 @triton.jit
-def _bias_act_bwd_kernel(g_ptr, y_ptr, bias_ptr, dy_ptr, n, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr,
+def _bias_act_bwd_kernel(g_ptr, y_ptr, bias_ptr, dy_ptr, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SQRT_2_OVER_PI: tl.constexpr, CUBIC: tl.constexpr,
                          CUBIC_GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    a_off, b_off, a_bias, b_bias = _offsets(i, F, C, KIND, BLOCKED)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < F
+    i = row * F + j  # the output's (and the output gradient's) offset
+    a_off, b_off, a_bias, b_bias = _offsets(row, j, F, C, KIND, BLOCKED)
     g = tl.load(g_ptr + i, mask=mask, other=0.0).to(tl.float32)
     a = _load_fp32(y_ptr, a_off, bias_ptr, a_bias, mask, HAS_BIAS)
     if KIND == 2:
@@ -132,12 +136,14 @@ def _check(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int, layout: str
     return C, C if kind == GELU else C // 2
 
 
-def _grid(n: int):
-    return (triton.cdiv(n, _BLOCK),)
+def _launch(n: int, F: int):
+    """(grid, block): one program per row and block of up to _BLOCK output columns."""
+    block = min(_BLOCK, triton.next_power_of_2(F))
+    return (n // F, triton.cdiv(F, block)), block
 
 
-def _constants():
-    return dict(SQRT_2_OVER_PI=_SQRT_2_OVER_PI, CUBIC=_CUBIC, CUBIC_GRAD=_CUBIC_GRAD, BLOCK=_BLOCK)
+def _constants(block: int):
+    return dict(SQRT_2_OVER_PI=_SQRT_2_OVER_PI, CUBIC=_CUBIC, CUBIC_GRAD=_CUBIC_GRAD, BLOCK=block)
 
 
 @triton_op("megatron_fsdp::bias_act_fwd", mutates_args=())
@@ -148,9 +154,10 @@ def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int, layou
     out = torch.empty(*y.shape[:-1], F, dtype=y.dtype, device=y.device)
     n = out.numel()
     if n:
-        wrap_triton(_bias_act_fwd_kernel)[_grid(n)](
-            y, y if bias is None else bias.contiguous(), out, n, F, C, KIND=kind, BLOCKED=layout == "blocked",
-            HAS_BIAS=bias is not None, **_constants())
+        grid, block = _launch(n, F)
+        wrap_triton(_bias_act_fwd_kernel)[grid](
+            y, y if bias is None else bias.contiguous(), out, F, C, KIND=kind, BLOCKED=layout == "blocked",
+            HAS_BIAS=bias is not None, **_constants(block))
     return out
 
 
@@ -166,7 +173,8 @@ def bias_act_bwd(grad_out: torch.Tensor, y: torch.Tensor, bias: Optional[torch.T
     dy = torch.empty_like(y)
     n = grad_out.numel()
     if n:
-        wrap_triton(_bias_act_bwd_kernel)[_grid(n)](
-            grad_out, y, y if bias is None else bias.contiguous(), dy, n, F, C, KIND=kind,
-            BLOCKED=layout == "blocked", HAS_BIAS=bias is not None, **_constants())
+        grid, block = _launch(n, F)
+        wrap_triton(_bias_act_bwd_kernel)[grid](
+            grad_out, y, y if bias is None else bias.contiguous(), dy, F, C, KIND=kind,
+            BLOCKED=layout == "blocked", HAS_BIAS=bias is not None, **_constants(block))
     return dy
