@@ -8,7 +8,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import full_grads, make_config, setup_parallel
-from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, convert_to_fp8, fp8_linear, refresh_fp8_scales
+from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, convert_to_fp8, fp8_linear, gemm, refresh_fp8_scales
 from megatron_fsdp.fp8.scaling import AmaxHistory, cast_to_fp8, scale_from_amax
 from megatron_fsdp.fp8.weight import Fp8TrainingWeight, Fp8WeightMeta
 from megatron_fsdp.models.gpt import GPTModel
@@ -110,10 +110,12 @@ def test_delayed_scaling_uses_the_previous_steps_amax(algo, history_len):
 
 
 class _Fp8Copies(TorchDispatchMode):
-    """Records every op that copies an fp8 tensor (or its bytes) into new memory: a transpose
-    made contiguous, a pad, a clone, a dtype conversion."""
+    """Records every op that copies an fp8 tensor (or its bytes) into new fp8 memory: a
+    transpose made contiguous, a pad, a clone. (The CPU's GEMM reads its fp8 operands as
+    float32, `_to_copy` to float32: the GEMM itself, not a copy of an operand.)"""
 
     COPIES = {"clone", "copy_", "constant_pad_nd", "_to_copy", "cat", "stack", "contiguous"}
+    FP8_BYTES = (E4M3, E5M2, torch.uint8)
 
     def __init__(self):
         super().__init__()
@@ -122,10 +124,13 @@ class _Fp8Copies(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if name in self.COPIES and any(t.dtype in (E4M3, E5M2, torch.uint8) for t in tensors):
-            self.copies.append(name)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if name in self.COPIES:
+            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] or inputs[:1]
+            if any(t.dtype in self.FP8_BYTES for t in inputs) and any(t.dtype in self.FP8_BYTES for t in outputs):
+                self.copies.append(name)
+        return out
 
 
 @pytest.mark.parametrize("weight_kind", ["plain", "fp8 training weight"])
@@ -222,6 +227,26 @@ def test_scale_from_amax_rules():
 
 # ---------------------------------------------------------------- layers and models
 
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_gemm_is_torchs_scaled_mm_and_keeps_its_operand_rules(rowwise, out_dtype):
+    a = (torch.randn(48, 64, generator=_gen(0)) * 40).to(E4M3)
+    b = (torch.randn(32, 64, generator=_gen(1)) * 4000).to(E5M2).t()  # column-major
+    scale_a = torch.rand(48, 1, generator=_gen(2)) + 0.5 if rowwise else torch.tensor(0.7)
+    scale_b = torch.rand(1, 32, generator=_gen(3)) + 0.5 if rowwise else torch.tensor(1.3)
+    ours = gemm.scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    theirs = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    assert ours.dtype == out_dtype and ours.shape == (48, 32)
+    # The same exact products, summed in float32 in another order (then rounded to out_dtype).
+    assert _rel(ours, theirs) < (1e-6 if out_dtype == torch.float32 else 1e-2), _rel(ours, theirs)
+    out = torch.empty(48, 32, dtype=out_dtype)
+    assert gemm.scaled_mm(a, b, scale_a, scale_b, out_dtype, out=out) is out and torch.equal(out, ours)
+    with pytest.raises(RuntimeError, match="the first operand must be row-major and the second column-major"):
+        gemm.scaled_mm(a, b.contiguous(), scale_a, scale_b, out_dtype)
+    with pytest.raises(RuntimeError, match=r"the scale of a must have one element or shape \(48, 1\)"):
+        gemm.scaled_mm(a, b, torch.ones(48), scale_b, out_dtype)
+
+
 def _gpt_config(tp, fp8, sp=False, **overrides):
     fields = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, fp8=fp8, sequence_parallel=sp,
                   tensor_model_parallel_size=tp)
@@ -235,20 +260,20 @@ def _case_gpt_step(tp, sp, fp8, recipe="tensorwise"):
     model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
     assert convert_to_fp8(model) == (8 if fp8 else 0)
     calls = []
-    original = torch._scaled_mm
+    original = gemm._check_operands  # every fp8 GEMM on the CPU passes its operands through it
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return original(*args, **kwargs)
+    def counting(a, *args, **kwargs):
+        calls.append(a.dtype)
+        return original(a, *args, **kwargs)
 
     ids = torch.randint(0, 64, (2, 16), generator=_gen(5))
     labels = torch.randint(0, 64, (2, 16), generator=_gen(6))
-    torch._scaled_mm = counting
+    gemm._check_operands = counting
     try:
         loss = model(ids, torch.arange(16).expand(2, 16), None, labels=labels).mean()
         loss.backward()
     finally:
-        torch._scaled_mm = original
+        gemm._check_operands = original
     fp8_layers = [name for name, m in model.named_modules() if getattr(m, "fp8_state", None) is not None]
     return loss.item(), full_grads(model), len(calls), fp8_layers
 
