@@ -81,8 +81,9 @@ def _rowwise_error(device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dt
 
 def check_rowwise_support(device: torch.device, out_dtype: torch.dtype, forward_dtype: torch.dtype,
                           backward_dtype: torch.dtype) -> None:
-    """Raise, naming what this torch supports, unless torch._scaled_mm on `device` takes row
-    scales for the three GEMMs of an fp8 linear (a tiny GEMM of each operand pairing, once)."""
+    """Raise, naming what this torch supports, unless the fp8 GEMM on `device` takes row scales
+    for the three GEMMs of an fp8 linear (a tiny GEMM of each operand pairing, once): there
+    torch._scaled_mm, which may not; on the CPU our own GEMM, which does."""
     device = torch.device(device)
     pairs = {(forward_dtype, forward_dtype), (backward_dtype, forward_dtype)}
     for a_dtype, b_dtype in sorted(pairs, key=str):

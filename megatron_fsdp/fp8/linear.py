@@ -66,29 +66,33 @@ def check_fp8_weight_shape(where: str, out_features: int, in_features: int) -> N
             "precision (first_last_layers_bf16)")
 
 
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, transposed: bool,
+          pad_rows_to: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(fp8 x [M, K], fp8 x^T [K, M padded to pad_rows_to] and max |x| if `transposed`, else None
+    and None): the cast-transpose finds the amax on the way, the plain cast does not."""
+    if transposed:
+        return cast_transpose_to_fp8(x, scale, dtype, pad_rows_to=pad_rows_to)
+    return cast_to_fp8(x, scale, dtype), None, None
+
+
 def _quantize(x: torch.Tensor, history: Optional[AmaxHistory], dtype: torch.dtype, margin: int, record: bool,
               transposed: bool):
     """(fp8 x [M, K], fp8 x^T [K, M padded to GEMM_ALIGNMENT] if `transposed` else None, inverse
     scale): current scaling, or the history's scale once it has one. With the history's scale
-    the cast reads x once and records the amax it found on the way; current scaling needs the
-    amax before the cast, one read more."""
+    the cast-transpose reads x once and records the amax it found on the way; current scaling
+    needs the amax before the cast, one read more."""
     if history is not None and history.calibrated:
         scale = history.scale
-        if transposed:
-            data, data_t, amax = cast_transpose_to_fp8(x, scale, dtype, pad_rows_to=GEMM_ALIGNMENT)
-        else:
-            data, data_t, amax = cast_to_fp8(x, scale, dtype), None, (tensor_amax(x) if record else None)
+        data, data_t, amax = _cast(x, scale, dtype, transposed, GEMM_ALIGNMENT)
         if record:
-            history.record(amax)
+            history.record(amax if amax is not None else tensor_amax(x))
         return data, data_t, scale.reciprocal()
     amax = tensor_amax(x)
     if history is not None and record:
         history.record(amax)
     scale = scale_from_amax(amax, dtype, margin)
-    if transposed:
-        data, data_t, _ = cast_transpose_to_fp8(x, scale, dtype, pad_rows_to=GEMM_ALIGNMENT)
-        return data, data_t, scale.reciprocal()
-    return cast_to_fp8(x, scale, dtype), None, scale.reciprocal()
+    data, data_t, _ = _cast(x, scale, dtype, transposed, GEMM_ALIGNMENT)
+    return data, data_t, scale.reciprocal()
 
 
 def _weight_fp8(weight: torch.Tensor, recipe: Fp8Recipe,
@@ -98,16 +102,12 @@ def _weight_fp8(weight: torch.Tensor, recipe: Fp8Recipe,
     if isinstance(weight, Fp8GatheredWeight):
         return weight._data, None, weight._scale
     if isinstance(weight, Fp8TrainingWeight):
-        if transposed:
-            data, data_t, scale = weight.cast_transpose_to_fp8()
-        else:
-            (data, scale), data_t = weight.cast_to_fp8(), None
+        scale = weight.fp8_scale()
+        data, data_t, _ = _cast(weight._data, scale, weight._fp8_meta.fp8_dtype, transposed)
         return data, data_t, scale.clone()  # refresh_fp8_scales updates the weight's scale in place
     scale = scale_from_amax(tensor_amax(weight), recipe.forward_dtype, recipe.margin)
-    if transposed:
-        data, data_t, _ = cast_transpose_to_fp8(weight, scale, recipe.forward_dtype)
-        return data, data_t, scale
-    return cast_to_fp8(weight, scale, recipe.forward_dtype), None, scale
+    data, data_t, _ = _cast(weight, scale, recipe.forward_dtype, transposed)
+    return data, data_t, scale
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -42,8 +42,9 @@ def rowwise_cast(t: torch.Tensor, dtype: torch.dtype, margin: int,
 
 class _RowwiseFp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe):
-        x_grad, w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, x, weight, recipe: Fp8Recipe, grad_enabled: bool):
+        # Without autograd (evaluation) no backward comes: nothing to prepare for it.
+        x_grad, w_grad = ctx.needs_input_grad[0] and grad_enabled, ctx.needs_input_grad[1] and grad_enabled
         fwd, margin = recipe.forward_dtype, recipe.margin
         x2 = x.reshape(-1, x.size(-1))
         xq, x_inv = rowwise_cast(x2, fwd, margin)
@@ -80,9 +81,9 @@ class _RowwiseFp8Linear(torch.autograd.Function):
             else:
                 (x2,) = saved_x
                 dw = (g2.t() @ x2.to(g2.dtype)).to(ctx.w_dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def rowwise_fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
     """x @ weight^T (no bias) with rowwise-scaled fp8 GEMMs; `weight` a local [out, in] tensor."""
-    return _RowwiseFp8Linear.apply(x, weight, recipe)
+    return _RowwiseFp8Linear.apply(x, weight, recipe, torch.is_grad_enabled())

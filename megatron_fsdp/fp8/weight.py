@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import _torch_compat
-from .scaling import cast_to_fp8, cast_transpose_to_fp8, dequantize
+from .scaling import cast_to_fp8, dequantize
 
 aten = torch.ops.aten
 
@@ -96,7 +96,8 @@ class Fp8TrainingWeight(torch.Tensor):
             return args[0]  # an in-place op (optimizer update, load) returns the weight itself
         return out
 
-    def _scale(self) -> torch.Tensor:
+    def fp8_scale(self) -> torch.Tensor:
+        """The precomputed scale this weight is cast to fp8 with (see refresh.py)."""
         if self._fp8_meta.scale is None:
             raise RuntimeError(
                 "fp8 weight has no scale yet: call megatron_fsdp.fp8.refresh_fp8_scales(model) once the "
@@ -107,19 +108,13 @@ class Fp8TrainingWeight(torch.Tensor):
     def cast_to_fp8(self, out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp8 data, scale) of this weight with its precomputed scale; `out`
         as in scaling.cast_to_fp8."""
-        scale = self._scale()
+        scale = self.fp8_scale()
         return cast_to_fp8(self._data, scale, self._fp8_meta.fp8_dtype, out=out), scale
-
-    def cast_transpose_to_fp8(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(fp8 data [out, in], the same transposed [in, out], scale) of this 2-D weight."""
-        scale = self._scale()
-        data, data_t, _ = cast_transpose_to_fp8(self._data, scale, self._fp8_meta.fp8_dtype)
-        return data, data_t, scale
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         rows = self._data.size(0)
         padded_rows = -(-outer_size[0] // mesh.size())
-        scale = self._scale()
+        scale = self.fp8_scale()
         # The weight changes only when its data or its scale is written (the optimizer step, a
         # load, refresh_fp8_scales), and every write bumps a version: the other all-gathers of a
         # step (each microbatch's, the backward's after resharding) send the bytes of the first

@@ -41,6 +41,15 @@ def _cast_to_fp8_reference(src: torch.Tensor, scale: torch.Tensor, dtype: torch.
         out.view(-1).copy_(cast.reshape(-1).view(torch.uint8))
 
 
+def _check_fallback_inputs(op: str, src: torch.Tensor, scale: torch.Tensor) -> None:
+    """The kernels' checks of src and scale, for the PyTorch fallback (same words)."""
+    if src.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise RuntimeError(f"{op}: src has dtype {src.dtype}; supported: float32, bfloat16, float16, float64")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise RuntimeError(f"{op}: scale must be a one-element float32 tensor, got {scale.dtype} with "
+                           f"{scale.numel()} elements")
+
+
 def cast_to_fp8(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp8 bytes of src * scale, saturated; returns `out` (uint8, src's shape when allocated here)."""
@@ -52,11 +61,7 @@ def cast_to_fp8(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     if extension_serves(device):
         torch.ops.megatron_fsdp.cast_to_fp8(src.detach(), scale.detach(), dtype, out)
         return out
-    if src.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise RuntimeError(f"cast_to_fp8: src has dtype {src.dtype}; supported: float32, bfloat16, float16, float64")
-    if scale.dtype != torch.float32 or scale.numel() != 1:
-        raise RuntimeError(f"cast_to_fp8: scale must be a one-element float32 tensor, got {scale.dtype} with "
-                           f"{scale.numel()} elements")
+    _check_fallback_inputs("cast_to_fp8", src, scale)
     if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != src.numel():
         raise RuntimeError(f"cast_to_fp8: out must be a contiguous uint8 tensor of {src.numel()} elements (src's), "
                            f"got {out.dtype} of shape {list(out.shape)}")
@@ -92,11 +97,6 @@ def cast_transpose_to_fp8(src: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     if extension_serves(device):
         torch.ops.megatron_fsdp.cast_transpose_to_fp8(src.detach(), scale.detach(), dtype, out, out_t, amax)
         return out, out_t, amax
-    if src.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise RuntimeError(f"cast_transpose_to_fp8: src has dtype {src.dtype}; supported: float32, bfloat16, "
-                           "float16, float64")
-    if scale.dtype != torch.float32 or scale.numel() != 1:
-        raise RuntimeError(f"cast_transpose_to_fp8: scale must be a one-element float32 tensor, got {scale.dtype} "
-                           f"with {scale.numel()} elements")
+    _check_fallback_inputs("cast_transpose_to_fp8", src, scale)
     _cast_transpose_reference(src, scale.reshape(()), dtype, out, out_t, amax)
     return out, out_t, amax
