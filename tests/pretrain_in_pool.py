@@ -51,8 +51,18 @@ def own_process_group_job():
         os.environ["MASTER_PORT"] = saved_port
 
 
-def _exit_code(exc: SystemExit) -> int:
-    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+def _job(argv: list[str], main) -> tuple[int, str]:
+    """`main()` with sys.argv = argv in its own process group, stdout captured: (exit code, stdout)."""
+    saved_argv, sys.argv = sys.argv, argv
+    out, code = io.StringIO(), 0
+    try:
+        with own_process_group_job(), contextlib.redirect_stdout(out):
+            main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+    return code, out.getvalue()
 
 
 def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
@@ -61,32 +71,14 @@ def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
         sys.path.insert(0, os.path.join(ROOT, "examples"))
     import pretrain_gpt
 
-    saved_argv = sys.argv
-    sys.argv = [os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv]
-    out, code = io.StringIO(), 0
-    try:
-        with own_process_group_job(), contextlib.redirect_stdout(out):
-            pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-            pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                                  pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    finally:
-        sys.argv = saved_argv
-    return code, out.getvalue()
+    def main():
+        pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+        pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                              pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
+    return _job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], main)
 
 
 def script_job(path: str) -> tuple[int, str]:
     """Run the Python script at `path` as `__main__` on every rank of the pool, as torchrun would
     with the pool's world size: (exit code, this rank's stdout)."""
-    saved_argv = sys.argv
-    sys.argv = [path]
-    out, code = io.StringIO(), 0
-    try:
-        with own_process_group_job(), contextlib.redirect_stdout(out):
-            runpy.run_path(path, run_name="__main__")
-    except SystemExit as exc:
-        code = _exit_code(exc)
-    finally:
-        sys.argv = saved_argv
-    return code, out.getvalue()
+    return _job([path], lambda: runpy.run_path(path, run_name="__main__"))
