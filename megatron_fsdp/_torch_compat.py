@@ -52,6 +52,7 @@ PRIVATE_NAMES = {
     "torch.distributed.checkpoint.state_dict:_EXTRA_STATE": ALL,
     "torch.distributed.tensor.debug:_clear_sharding_prop_cache": ALL,
     "torch:Tensor._make_wrapper_subclass": ALL,
+    "torch:Tensor._version": ALL,
     "torch._C:_disabled_torch_function_impl": ALL,
     "torch.utils._pytree:tree_map_only": ALL,
     "torch.utils._pytree:tree_leaves": ALL,
@@ -287,6 +288,12 @@ def make_wrapper_subclass(cls, shape, **kwargs):
     """`torch.Tensor._make_wrapper_subclass`: how every wrapper subclass (torchao's,
     DTensor) is made; there is no public spelling."""
     return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """`Tensor._version`: bumped by every in-place write to the tensor (what autograd checks
+    saved tensors with); the fp8 weight keeps its cast bytes while it is unchanged."""
+    return t._version
 
 
 DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl

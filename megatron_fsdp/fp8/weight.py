@@ -119,7 +119,8 @@ class Fp8TrainingWeight(torch.Tensor):
         # load, refresh_fp8_scales), and every write bumps a version: the other all-gathers of a
         # step (each microbatch's, the backward's after resharding) send the bytes of the first
         # cast. Kept between steps: one byte per element of this rank's shard.
-        key = (self._data.data_ptr(), self._data._version, scale.data_ptr(), scale._version, padded_rows)
+        key = (self._data.data_ptr(), _torch_compat.version_counter(self._data), scale.data_ptr(),
+               _torch_compat.version_counter(scale), padded_rows)
         cached = self.__dict__.get("_fp8_shard")
         if cached is None or cached[0] != key:
             # The cast writes straight into the (padded) all-gather input.
