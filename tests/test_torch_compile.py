@@ -1,8 +1,8 @@
 """Per-layer torch.compile (`--torch-compile`, TorchFullyShardedDataParallelConfig.torch_compile):
 each TransformerLayer compiled before it is sharded, composing with FSDP2, TP with sequence
 parallelism, activation recomputation, mixed precision and fp8 (tensorwise or rowwise): the
-losses of pretrain() with and without it agree (inductor's CPU backend here); delayed fp8
-scaling is refused before any work."""
+losses of pretrain() with and without it agree (inductor's CPU backend here), delayed fp8
+scaling's histories included."""
 
 import re
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_fsdp.distributed import TorchFullyShardedDataParallelConfig
-from megatron_fsdp.distributed.fsdp_plan import check_torch_compile
+from megatron_fsdp.fp8 import Fp8LinearState, Fp8Recipe, fp8_linear, materialize_fp8_state, refresh_fp8_scales
 from megatron_fsdp.transformer import TransformerConfig
 from pretrain_in_pool import pretrain_gpt_job
 
@@ -48,14 +48,18 @@ def _job_counting_compiles(argv):
 @pytest.mark.slow  # compiles on 2 cores
 # Each option composes with compile in one case or the other: one compile (about 30 s on 2 cores
 # with a cold cache) per case, so the options share cases. The first: TP with sequence
-# parallelism, recomputation, and fp8 (its linears traced whole, the cast-transpose ops
-# included; fp8 weight all-gather); the second: fp16, and the linears' high-precision GEMMs.
+# parallelism, recomputation, and tensorwise fp8 (its linears traced whole, the cast-transpose
+# ops included; fp8 weight all-gather); the second: fp16, the linears' high-precision GEMMs in
+# one layer and fp8 with delayed scaling in the other.
 @pytest.mark.parametrize("extra", [
     ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
      "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
      "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather"],
-    ["--fp16", "--initial-loss-scale", "1024"],  # a scale that does not overflow: every step counts
-], ids=["bf16-tp2-sp-recompute-fp8", "fp16"])
+    # A scale that does not overflow: every step counts. Layer 1 keeps fp16 GEMMs, layer 2 runs
+    # fp8 with delayed scaling (Megatron's default recipe; the histories calibrate after step 1).
+    ["--fp16", "--initial-loss-scale", "1024", "--fp8-format", "hybrid", "--first-last-layers-bf16",
+     "--num-layers-at-start-in-bf16", "1", "--num-layers-at-end-in-bf16", "0"],
+], ids=["bf16-tp2-sp-recompute-fp8", "fp16-fp8-delayed"])
 def test_compiled_layers_train_like_eager_ones(pools, extra):
     runs = {}
     for compiled in (False, True):
@@ -73,17 +77,61 @@ def test_compiled_layers_train_like_eager_ones(pools, extra):
     assert compiled == pytest.approx(eager, rel=1e-3), (eager, compiled)
 
 
-def test_delayed_fp8_scaling_is_refused_before_any_work():
-    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True, fp8="hybrid",
-                               fp8_recipe="delayed")
-    with pytest.raises(NotImplementedError, match=r"per-layer compilation \(torch_compile\) with "
-                                                  r"fp8_recipe='delayed' is not supported yet"):
-        check_torch_compile(config, TorchFullyShardedDataParallelConfig(torch_compile=True))
-    check_torch_compile(config, TorchFullyShardedDataParallelConfig())  # eager: fine
-    for recipe in ("tensorwise", "rowwise"):
-        check_torch_compile(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, bf16=True,
-                                              fp8="hybrid", fp8_recipe=recipe),
-                            TorchFullyShardedDataParallelConfig(torch_compile=True))
+class _Fp8Layer(torch.nn.Module):
+    def __init__(self, recipe):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(1)))
+        self.fp8_state = Fp8LinearState(recipe)
+
+    def forward(self, x):
+        return fp8_linear(torch.relu(x), self.weight, self.fp8_state)
+
+
+@pytest.mark.slow  # compiles twice (the second time once the histories are calibrated)
+def test_delayed_fp8_scaling_compiles_whole_and_trains_like_eager():
+    """fullgraph=True: no graph break, so the histories are recorded from inside the compiled
+    graph (input amax) and through the sink's gradient (output gradient amax); outputs,
+    gradients, histories and scales equal the eager run's step by step."""
+    recipe = Fp8Recipe.from_config(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                                     fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4))
+    results = {}
+    for compiled in (False, True):
+        layer = _Fp8Layer(recipe)
+        materialize_fp8_state(layer, torch.device("cpu"))
+        run = torch.compile(layer, fullgraph=True) if compiled else layer
+        steps = []
+        for step in range(3):
+            x = (torch.randn(48, 32, generator=torch.Generator().manual_seed(step)) * (step + 1)).requires_grad_()
+            y = run(x)
+            (y * (step + 2)).square().sum().backward()
+            pending = [float(h.pending) for _, h in layer.fp8_state.histories()]
+            refresh_fp8_scales(layer)
+            steps.append((y.detach(), x.grad, layer.weight.grad.clone(), pending,
+                          [(h.amax_history.clone(), h.scale.clone()) for _, h in layer.fp8_state.histories()]))
+            layer.weight.grad = None
+        results[compiled] = steps
+    for step, (eager, compiled) in enumerate(zip(results[False], results[True])):
+        torch.testing.assert_close(compiled[:3], eager[:3], msg=f"step {step}")
+        # Recorded: max |relu(x)| and max |d loss / dy| of the step, the same in both.
+        assert compiled[3] == eager[3] and min(eager[3]) > 0, (step, eager[3], compiled[3])
+        torch.testing.assert_close(compiled[4], eager[4])
+    assert [h.calibrated for _, h in layer.fp8_state.histories()] == [True, True]
+
+
+def test_delayed_fp8_state_must_be_on_a_device_before_a_compiled_first_run(monkeypatch):
+    """A compiled first run cannot create the histories: a clear error names the call that does
+    (the FSDP plan makes it: test above and the pool case)."""
+    recipe = Fp8Recipe.from_config(TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                                     fp8="hybrid", fp8_recipe="delayed"))
+    state = Fp8LinearState(recipe)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(RuntimeError, match=r"call megatron_fsdp.fp8.materialize_fp8_state\(model, device\) "
+                                           "before compiling"):
+        state.materialize(torch.device("cpu"))
+    monkeypatch.undo()
+    state.materialize(torch.device("cpu"))
+    assert state.grad_output_sink.requires_grad and state.grad_output_sink.is_leaf
+    state.materialize(torch.device("cpu"))  # once only
 
 
 def test_the_config_field_is_checked():

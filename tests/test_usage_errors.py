@@ -48,8 +48,6 @@ def _parse(*flags, world_size=4, rank=0):
      "RoPE rotates kv-channels x --rotary-percent = 3 x 1.0 = 3 dimensions: it must be a positive even number"),
     (["--position-embedding-type", "rope", "--rotary-percent", "1.5"], "--rotary-percent must be in (0, 1], got 1.5"),
     (["--hidden-dropout", "1.0"], "--hidden-dropout must be in [0, 1), got 1.0"),
-    (["--bf16", "--fp8-format", "hybrid", "--torch-compile"],  # --fp8-recipe's default: delayed
-     "per-layer compilation (--torch-compile) with --fp8-recipe='delayed' is not supported yet"),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise", "--fp8-param-gather", "--use-torch-fsdp2"],
      "--fp8-param-gather=True with --fp8-recipe='rowwise' is not supported"),
     # Whatever else TransformerConfig checks, by building it.

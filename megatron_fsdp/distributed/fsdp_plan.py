@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from .. import parallel_state
 from .._process_groups import backend_device_type
 from ..fp8 import (check_fp8_param_gather, convert_to_fp8, convert_to_fp8_weights, linears_to_convert,
-                   refresh_fp8_weight_scales)
+                   materialize_fp8_state, refresh_fp8_weight_scales)
 from ..initialization import initialize_parameters
 from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
 from .distributed_data_parallel_config import DistributedDataParallelConfig
@@ -73,7 +73,6 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
     _check_reshard_size(module, mesh, reshard_after_forward)
     check_fp8_param_gather(config, ddp_config, reshard_after_forward)
     linears_to_convert(module, config)  # fp8's GEMM shape rule, before anything changes
-    check_torch_compile(config, ddp_config)
     units = () if disable_bucketing else _units(module, wrap_classes)
     compiled = _layers_to_compile(ddp_config, module, units)
     if process_group is None:
@@ -133,9 +132,12 @@ def cast_master_weights_to_fp32(module: nn.Module, plan: FSDPPlan) -> None:
 
 def convert_fp8(module: nn.Module, plan: FSDPPlan) -> None:
     """Before fully_shard: the fp8 converter, then (fp8_param_gather) the fp8
-    weight subclass, so that FSDP2 shards it and calls its all-gather hooks."""
+    weight subclass, so that FSDP2 shards it and calls its all-gather hooks.
+    Delayed scaling's state is created on the training device now, not in
+    the first forward, which a compiled layer traces."""
     if plan.fp8_config is not None:
         convert_to_fp8(module, plan.fp8_config)
+        materialize_fp8_state(module, _materialization_device(plan.mesh))
     if plan.fp8_param_gather:
         convert_to_fp8_weights(module)
 
@@ -242,19 +244,6 @@ def _data_parallel_mesh(ddp_config, module: nn.Module, process_group: Optional[d
     if instances > 1:
         return parallel_state.get_hybrid_data_parallel_mesh()
     return parallel_state.get_data_parallel_mesh(with_context_parallel=True)
-
-
-def check_torch_compile(config, ddp_config) -> None:
-    """The combinations per-layer compile cannot serve (configuration only: every rank alike).
-    FSDP2, TP with sequence parallelism, activation recomputation, fp32, bf16, fp16 and fp8
-    with the tensorwise or rowwise recipe compose (tests/test_torch_compile.py)."""
-    if (getattr(ddp_config, "torch_compile", False) and getattr(config, "fp8", None) is not None
-            and getattr(config, "fp8_recipe", None) == "delayed"):
-        raise NotImplementedError(
-            "per-layer compilation (torch_compile) with fp8_recipe='delayed' is not supported yet: delayed "
-            "scaling records every cast's amax into its history, a side effect torch.compile cannot trace "
-            "inside the fp8 GEMMs' autograd function; use fp8_recipe='tensorwise' or 'rowwise' with it, or "
-            "train eagerly")
 
 
 def _layers_to_compile(ddp_config, module: nn.Module, units) -> tuple:

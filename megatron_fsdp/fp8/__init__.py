@@ -49,7 +49,7 @@ from .convert import (
     linears_to_convert,
     to_fp8_linear,
 )
-from .linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear
+from .linear import Fp8LinearState, check_fp8_weight_shape, fp8_linear, materialize_fp8_state
 from .recipe import Fp8Recipe, is_first_last_bf16_layer, layer_runs_fp8
 from .refresh import (fp8_state_dict, has_fp8_linears, load_fp8_state_dict, refresh_fp8_scales,
                       refresh_fp8_weight_scales)
@@ -68,6 +68,7 @@ __all__ = [
     "convert_to_fp8",
     "convert_to_fp8_weights",
     "fp8_linear",
+    "materialize_fp8_state",
     "fp8_state_dict",
     "has_fp8_linears",
     "is_first_last_bf16_layer",

@@ -80,7 +80,10 @@ class AmaxHistory:
     the compute algorithm. Until a first update has seen a recorded amax,
     casts use the tensor's current amax: the first step (or a resume
     without saved fp8 state) is not cast with an arbitrary scale.
-    Tensors are created on first use, on the device of the tensor cast.
+    Tensors are created on first use, on the device of the tensor cast, or
+    ahead of it by `materialize` (what a compiled layer needs: see
+    linear.Fp8LinearState.materialize); later loads and resets change them in
+    place, never replace them.
     """
 
     def __init__(self, history_len: int, compute_algo: str, dtype: torch.dtype, margin: int):
@@ -94,19 +97,19 @@ class AmaxHistory:
         self.calibrated = False
         self._recorded = False
 
-    def _materialize(self, device: torch.device) -> None:
+    def materialize(self, device: torch.device) -> None:
         if self.amax_history is None:
             self.amax_history = torch.zeros(self.history_len, dtype=torch.float32, device=device)
             self.scale = torch.ones((), dtype=torch.float32, device=device)
             self.pending = torch.zeros((), dtype=torch.float32, device=device)
 
     def record(self, amax: torch.Tensor) -> None:
-        self._materialize(amax.device)
+        self.materialize(amax.device)
         torch.maximum(self.pending, amax, out=self.pending)
         self._recorded = True
 
     def pending_amax(self, device: torch.device) -> torch.Tensor:
-        self._materialize(device)
+        self.materialize(device)
         return self.pending
 
     def update(self, amax: torch.Tensor) -> None:
@@ -117,7 +120,7 @@ class AmaxHistory:
         checkpoints. Once calibrated this is decided on the device, so a step reads nothing
         back; before, whether the first amax is finite decides how the next step casts (current
         scaling or the history's), which the host must know: one read per warm-up step."""
-        self._materialize(amax.device)
+        self.materialize(amax.device)
         if not self.calibrated and not bool(torch.isfinite(amax).all()):
             self.pending.zero_()
             return
@@ -131,18 +134,21 @@ class AmaxHistory:
         self.calibrated = self.calibrated or self._recorded
 
     def state_dict(self) -> dict:
-        if self.amax_history is None:
-            return {}
+        if self.amax_history is None or not (self.calibrated or self._recorded):
+            return {}  # nothing recorded yet (materialized ahead or not): a fresh history
         return {"amax_history": self.amax_history.detach().cpu().clone(), "scale": self.scale.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         """Restore a saved history ({}: start afresh); a saved history of
         another length is cut or zero-padded at its old end."""
         if not state:
-            self.amax_history = self.scale = self.pending = None
+            if self.amax_history is not None:
+                self.amax_history.zero_()
+                self.scale.fill_(1.0)
+                self.pending.zero_()
             self.calibrated = self._recorded = False
             return
-        self._materialize(device)
+        self.materialize(device)
         saved = state["amax_history"].to(device=device, dtype=torch.float32)
         n = min(saved.numel(), self.history_len)
         self.amax_history.zero_()

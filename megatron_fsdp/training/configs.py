@@ -17,7 +17,6 @@ import re
 import torch.nn.functional as F
 
 from ..distributed import TorchFullyShardedDataParallelConfig
-from ..distributed.fsdp_plan import check_torch_compile
 from ..fp8.convert import check_fp8_param_gather
 from ..optimizer import OptimizerConfig
 from ..transformer import TransformerConfig
@@ -130,8 +129,7 @@ def build_configs(args) -> TrainingConfigs:
     """Every config of the run, each validated by its own dataclass (raises
     ValueError/NotImplementedError in the dataclasses' words)."""
     model, ddp = core_transformer_config_from_args(args), ddp_config_from_args(args)
-    # The wrapper's plan checks these again for API users.
-    check_torch_compile(model, ddp)
+    # The wrapper's plan checks this again for API users.
     check_fp8_param_gather(model, ddp, getattr(ddp, "reshard_after_forward", True))
     return TrainingConfigs(model=model, ddp=ddp, optimizer=optimizer_config_from_args(args),
                            scheduler=scheduler_kwargs_from_args(args))
