@@ -11,6 +11,9 @@ under bf16 mixed precision:
   bf16            the baseline: bf16 GEMMs, bf16 weight all-gather
   fp8             fp8 GEMMs (tensorwise scaling, e4m3), bf16 all-gather
   fp8 + fp8 gather  fp8 GEMMs and fp8 weight all-gather (fp8_param_gather)
+and on request (--arms): "fp8 delayed" (delayed scaling), and "bf16 compiled",
+"fp8 compiled", "fp8 delayed compiled" (torch_compile: each TransformerLayer
+compiled; the first, counted step of each arm pays the compilation).
 A step is forward, backward and AdamW (with fp8 weights the optimizer
 refreshes their scales). Steps alternate between arms in rounds
 (benchmarks/_common.py). All-gather bytes (all parameters, fp8
@@ -41,11 +44,18 @@ from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyS
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.training.flops import num_floating_point_operations
 
-ARMS = {  # name: (TransformerConfig fields, fp8_param_gather)
-    "bf16": (dict(), False),
-    "fp8": (dict(fp8="e4m3", fp8_recipe="tensorwise"), False),
-    "fp8 + fp8 gather": (dict(fp8="e4m3", fp8_recipe="tensorwise"), True),
+_TENSORWISE = dict(fp8="e4m3", fp8_recipe="tensorwise")
+ARMS = {  # name: (TransformerConfig fields, TorchFullyShardedDataParallelConfig fields)
+    "bf16": (dict(), dict()),
+    "fp8": (_TENSORWISE, dict()),
+    "fp8 + fp8 gather": (_TENSORWISE, dict(fp8_param_gather=True)),
+    # Not run by default (--arms): Megatron's default recipe, and per-layer compile of each.
+    "fp8 delayed": (dict(fp8="e4m3", fp8_recipe="delayed"), dict()),
+    "bf16 compiled": (dict(), dict(torch_compile=True)),
+    "fp8 compiled": (_TENSORWISE, dict(torch_compile=True)),
+    "fp8 delayed compiled": (dict(fp8="e4m3", fp8_recipe="delayed"), dict(torch_compile=True)),
 }
+DEFAULT_ARMS = ("bf16", "fp8", "fp8 + fp8 gather")
 
 
 class CountAllGatherBytes:
@@ -109,7 +119,8 @@ def main():
     p.add_argument("--matmul-size", type=int, default=None, help="operand size of the peak-rate probe")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="; ".join(f"{name}: {preset}" for name, preset in PRESETS.items()))
-    p.add_argument("--arms", default=",".join(ARMS), help=f"a comma-separated subset of {list(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"a comma-separated subset of {list(ARMS)} (default: {', '.join(DEFAULT_ARMS)})")
     argv = sys.argv[1:]
     if not argv and torch.cuda.is_available():
         argv = ["--preset", "gpu"]
@@ -129,10 +140,10 @@ def main():
         counter = CountAllGatherBytes()
         arms = {}
         for name in chosen:
-            fields, fp8_gather = ARMS[name]
+            fields, ddp_fields = ARMS[name]
             config = dataclasses.replace(base_config, bf16=True, ffn_hidden_size=args.ffn_hidden or 4 * args.hidden,
                                          **fields)
-            ddp_config = TorchFullyShardedDataParallelConfig(fp8_param_gather=fp8_gather, fsdp_copy_kernels=True)
+            ddp_config = TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=True, **ddp_fields)
             model = TorchFullyShardedDataParallel(config, ddp_config, build_gpt(args, config))
             optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True), model)
             arms[name] = (model, optimizer)
@@ -182,10 +193,10 @@ def main():
             print(f"TP{args.tp} x DP{dp}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
                   f"micro batch {args.micro_batch}, {result['device']}; measured bf16 matmul "
                   f"{peak:.2f} TFLOP/s per rank")
-            print(f"{'arm':<18} {'step ms':>9} {'x bf16':>7} {'tok/s/rank':>11} {'TFLOP/s':>8} {'MFU':>6} "
+            print(f"{'arm':<22} {'step ms':>9} {'x bf16':>7} {'tok/s/rank':>11} {'TFLOP/s':>8} {'MFU':>6} "
                   f"{'AG MiB/step':>12} {'AG x bf16':>10} {'GEMMs':>6} {'casts':>6}")
             for name, r in result["arms"].items():
-                print(f"{name:<18} {r['step_ms']:>9.1f} {r['speedup_vs_bf16']:>7.2f} "
+                print(f"{name:<22} {r['step_ms']:>9.1f} {r['speedup_vs_bf16']:>7.2f} "
                       f"{r['tokens_per_s_per_rank']:>11.0f} {r['tflops_per_rank']:>8.2f} "
                       f"{r['mfu_vs_measured_bf16']:>6.1%} {r['all_gather_bytes_per_rank_per_step'] / 2**20:>12.2f} "
                       f"{r['all_gather_ratio_vs_bf16']:>10.3f} {r['gemm_share']:>6.1%} {r['cast_share']:>6.1%}")

@@ -253,7 +253,9 @@ bench_e2e() { bench bench_e2e 40 "$PY" benchmarks/bench_e2e.py --preset 1b --ste
 bench_gpt_fp8() {
   local limit
   limit="$(left 5)"
-  GPU_CHECK_TIME_LEFT_S="$((limit - 5))" bench bench_gpt_fp8 5 "$PY" benchmarks/bench_gpt_fp8.py
+  # GPU_CHECK_FP8_ARMS: its --arms (e.g. "bf16,fp8,bf16 compiled,fp8 compiled,fp8 delayed compiled").
+  GPU_CHECK_TIME_LEFT_S="$((limit - 5))" bench bench_gpt_fp8 5 "$PY" benchmarks/bench_gpt_fp8.py \
+    ${GPU_CHECK_FP8_ARMS:+--arms "$GPU_CHECK_FP8_ARMS"}
 }
 
 step build build_extension
