@@ -12,7 +12,10 @@ then copy it in).
 `call_floor_ms` is the same op called with as many empty tensors: what
 passing the tensor list from Python through the dispatcher costs before any
 kernel, ours or torch's, runs. On CUDA, `ours_gbps` / `memcpy_gbps` count
-bytes read plus bytes written.
+bytes read plus bytes written. The calls repeat the same tensors, as FSDP2
+does every step, so ours reuse their kept plan (csrc/copy_plan_cache.h);
+`ours_uncached_ms` (CUDA) forgets it before every call: planning and upload
+included.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 import torch
 
 from _common import require_our_kernels_on
-from megatron_fsdp import _torch_compat
+from megatron_fsdp import _torch_compat, kernels
 from megatron_fsdp.kernels import fsdp_copy_ops
 
 SIZES = {"many_small": (2000, 256), "medium": (200, 65536), "few_large": (20, 4 * 1024 * 1024)}
@@ -47,6 +50,9 @@ def compare(name, ours, torch_default, bound, floor, moved_bytes, repeats, devic
     fsdp_copy_ops.enable_fsdp_copy_kernels()
     t_ours = best_ms(ours, repeats, device)
     t_floor = best_ms(floor, repeats, device)
+    if device.type == "cuda":  # every call planned afresh: what the kept plan saves
+        ext = kernels._load_extension()
+        t_uncached = best_ms(lambda: (ext.clear_copy_plan_caches(), ours()), repeats, device)
     fsdp_copy_ops.disable_fsdp_copy_kernels()
     t_torch = best_ms(torch_default, repeats, device)
     t_bound = best_ms(bound, repeats, device)
@@ -54,6 +60,7 @@ def compare(name, ours, torch_default, bound, floor, moved_bytes, repeats, devic
            "memcpy_ms": round(t_bound, 3), "call_floor_ms": round(t_floor, 3),
            "torch_over_ours": round(t_torch / t_ours, 2), "ours_over_memcpy": round(t_ours / t_bound, 2)}
     if device.type == "cuda":
+        row["ours_uncached_ms"] = round(t_uncached, 3)
         row["ours_gbps"] = round(moved_bytes / t_ours / 1e6, 1)
         row["memcpy_gbps"] = round(moved_bytes / t_bound / 1e6, 1)
     return row

@@ -3,6 +3,7 @@
 // time), and the Python module.
 
 #include "copy_kernels.h"
+#include "copy_plan_cache.h"
 #include "crc32c.h"
 #include "fp8_kernels.h"
 
@@ -247,6 +248,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_cat_emulated", [](const std::vector<at::Tensor>& tensors, int64_t num_chunks, const at::Tensor& out) {
     chunk_cat_emulated(tensors, num_chunks, out);
   }, nogil);
+  m.def("copy_plan_cache_stats", [] {
+    py::dict out;
+    for (const auto& [name, s] : copy_plan_cache_stats()) {
+      py::dict d;
+      d["hits"] = s.hits;
+      d["misses"] = s.misses;
+      d["entries"] = s.entries;
+      d["capacity"] = s.capacity;
+      out[py::str(name)] = d;
+    }
+    return out;
+  }, "Hits, misses, entries and capacity of the copy ops' plan caches, by name (emulated, cuda)");
+  m.def("clear_copy_plan_caches", &clear_copy_plan_caches, "Forget every kept copy plan and zero the counts");
   m.def("install_fsdp_kernels", &install_fsdp_kernels,
         "Register our kernels for fsdp::all_gather_copy_in, split_with_sizes_copy and chunk_cat");
   m.def("uninstall_fsdp_kernels", &uninstall_fsdp_kernels, "Remove them: torch's kernels serve again");

@@ -4,8 +4,10 @@
 #include "copy_plan.h"
 
 #include "copy_kernels.h"
+#include "copy_plan_cache.h"
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 
 namespace megatron_fsdp {
@@ -169,21 +171,65 @@ void require_cpu(const at::Tensor& t, const char* op) {
   TORCH_CHECK(t.device().is_cpu(), op, "_emulated runs the device plan on CPU tensors, got ", t.device());
 }
 
+// The emulated ops keep their plans as the CUDA ops do (copy_plan_cache.h),
+// so that CI tests the keys and the reuse.
+void run_cached_on_host(PlanKey key, const std::function<CopyPlan()>& make_plan) {
+  PlanCache<CopyPlan>& cache = emulated_plan_cache();
+  if (const std::shared_ptr<const CopyPlan> plan = cache.find(key)) {
+    run_plan_on_host(*plan);
+    return;
+  }
+  auto plan = std::make_shared<const CopyPlan>(make_plan());
+  run_plan_on_host(*plan);
+  if (cacheable(*plan)) cache.insert(std::move(key), std::move(plan));
+}
+
 }  // namespace
+
+PlanCache<CopyPlan>& emulated_plan_cache() {
+  static PlanCache<CopyPlan> cache(kPlanCacheCapacity);
+  return cache;
+}
+
+std::vector<std::pair<std::string, PlanCacheStats>> copy_plan_cache_stats() {
+  std::vector<std::pair<std::string, PlanCacheStats>> stats{{"emulated", emulated_plan_cache().stats()}};
+#ifdef MEGATRON_FSDP_WITH_CUDA
+  stats.emplace_back("cuda", cuda_plan_cache_stats());
+#endif
+  return stats;
+}
+
+void clear_copy_plan_caches() {
+  emulated_plan_cache().clear();
+#ifdef MEGATRON_FSDP_WITH_CUDA
+  clear_cuda_plan_cache();
+#endif
+}
 
 void pack_into_emulated(at::TensorList inputs, const at::Tensor& out) {
   require_cpu(out, "pack_into");
-  run_plan_on_host(plan_pack_into(inputs, out));
+  PlanKey key(CopyOp::kPackInto);
+  key.add(inputs);
+  key.add(out);
+  run_cached_on_host(std::move(key), [&] { return plan_pack_into(inputs, out); });
 }
 
 void split_copy_out_emulated(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
   require_cpu(src, "split_copy_out");
-  run_plan_on_host(plan_split_copy_out(src, split_sizes, out));
+  PlanKey key(CopyOp::kSplitCopyOut);
+  key.add(src);
+  key.add(split_sizes);
+  key.add(out);
+  run_cached_on_host(std::move(key), [&] { return plan_split_copy_out(src, split_sizes, out); });
 }
 
 void chunk_cat_emulated(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
   require_cpu(out, "chunk_cat");
-  run_plan_on_host(plan_chunk_cat(tensors, num_chunks, out));
+  PlanKey key(CopyOp::kChunkCat);
+  key.add(tensors);
+  key.add(num_chunks);
+  key.add(out);
+  run_cached_on_host(std::move(key), [&] { return plan_chunk_cat(tensors, num_chunks, out); });
 }
 
 }  // namespace megatron_fsdp
