@@ -115,7 +115,7 @@ rm -rf "$TREE"
 rm -f "$TREE"/megatron_fsdp/_C*.so "$TREE"/megatron_fsdp/_C*.json
 ln -s "$so" "$TREE/megatron_fsdp/$(basename "$so")"
 [ ! -f "$so.build.json" ] || ln -s "$so.build.json" "$TREE/megatron_fsdp/$(basename "$so").build.json"
-tests=(tests/test_device_copy_kernels.py tests/test_kernels.py tests/test_amax_kernel.py
+tests=(tests/test_device_copy_kernels.py tests/test_copy_plan_cache.py tests/test_kernels.py tests/test_amax_kernel.py
        tests/test_fp8_cast_transpose.py tests/test_fsdp_copy_kernels.py tests/test_triton_activations.py)  # the last: Triton's interpreter
 say "host-side tests of the CUDA build under torch $torch_version: ${tests[*]}"
 t0=$SECONDS

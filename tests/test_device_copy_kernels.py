@@ -317,3 +317,68 @@ def test_cuda_kernels_order_on_a_busy_side_stream():
     stream.synchronize()
     for (_, out), expected in cases:
         _assert_same(out, expected)
+
+
+# Bit copies of at least 1 MiB a row go to the copy engine (cudaMemcpyAsync, cudaMemcpy2DAsync at a
+# pitch; memcpy in the emulation); casts, padded chunks and smaller copies stay in the kernel. One
+# case each, mixing both kinds, with odd offsets and an output whose rows are further apart than
+# their length.
+BIG = (1 << 20) // 4 + 3  # fp32 elements: just over 1 MiB
+
+
+def large_cases(device):
+    g = torch.Generator().manual_seed(7)
+    inputs = [_random(g, (5,), torch.float32), _random(g, (BIG,), torch.float32), _random(g, (300,), torch.float32),
+              _misaligned(_random(g, (BIG + 1,), torch.float32), g)]
+    inputs = [t.to(device) for t in inputs]
+    total = sum(t.numel() for t in inputs)
+    pack = []
+    for dtype in (torch.float32, torch.bfloat16):  # bits (the copy engine), a cast (the kernel)
+        out = torch.full((total + 3,), 3, dtype=dtype, device=device)[1:]
+        expected = out.cpu().clone()
+        expected[:total] = torch.cat([t.cpu().to(dtype) for t in inputs])
+        pack.append(((inputs, out), expected))
+    world, sizes = 3, [5, BIG, 7, BIG + 2]
+    src = _random(g, (world, sum(sizes)), torch.float32).to(device)
+    outs = [torch.full((world, s), 7.0, device=device) for s in sizes]
+    outs[3] = torch.full((world, sizes[3] + 9), 7.0, device=device)[:, 4:4 + sizes[3]]  # pitched rows
+    split = ((src, sizes, outs), _split_reference(src, sizes, outs))
+    grads = [_random(g, (world * 4 * (BIG // 4 + 1),), torch.float32),  # whole chunks: the copy engine
+             _random(g, (3 * BIG + 1,), torch.float32),  # padded chunks: the kernel
+             _random(g, (11,), torch.float32)]
+    grads = [t.to(device) for t in grads]
+    cols = sum(-(-t.size(0) // world) for t in grads)
+    cat_out = torch.full((world, cols), 5.0, device=device)
+    cat_expected = torch.empty(world, cols)
+    torch._chunk_cat([t.cpu() for t in grads], 0, world, out=cat_expected)
+    return pack, split, ((grads, world, cat_out), cat_expected)
+
+
+def _check_large(pack_into, split_copy_out, chunk_cat, device):
+    pack, (split_args, split_expected), (cat_args, cat_expected) = large_cases(device)
+    for (inputs, out), expected in pack:
+        pack_into(inputs, out)
+        _assert_same(out.cpu(), expected)
+    src, sizes, outs = split_args
+    bases = [o.cpu().clone() for o in outs]
+    split_copy_out(src, sizes, outs)
+    for got, want in zip(outs, split_expected):
+        _assert_same(got.cpu(), want)
+    wide = outs[3]._base  # the pitched output's buffer: nothing outside its view written
+    assert torch.equal(wide[:, :4].cpu(), torch.full((3, 4), 7.0)) and torch.equal(wide[:, -5:].cpu(), torch.full((3, 5), 7.0))
+    assert all(b.shape == o.shape for b, o in zip(bases, outs))
+    chunk_cat(*cat_args)
+    _assert_same(cat_args[2].cpu(), cat_expected)
+
+
+def test_large_bit_copies_emulated():
+    ext = _ext()
+    _check_large(ext.pack_into_emulated, ext.split_copy_out_emulated, ext.chunk_cat_emulated, "cpu")
+
+
+@requires_cuda
+def test_large_bit_copies_cuda():
+    ops = torch.ops.megatron_fsdp
+    _check_large(lambda *a: ops.pack_into(*a), lambda *a: ops.split_copy_out(*a), lambda *a: ops.chunk_cat(*a),
+                 "cuda")
+    torch.cuda.synchronize()
