@@ -224,7 +224,7 @@ class build_ext(BuildExtension.with_options(use_ninja=is_ninja_available())):
 # (which wins): keep the two in step (tests/test_build.py checks). The dependencies
 # (none) and the `test` extra are there only.
 setup(
-    name="megatron_fsdp",
+    name="megatron-fsdp2",  # not NVIDIA's "megatron-fsdp" (same import name, other project)
     version="0.1.0",
     description="Megatron-Core-compatible model parallelism on PyTorch FSDP2",
     packages=find_packages(include=["megatron_fsdp", "megatron_fsdp.*"]),

@@ -475,7 +475,7 @@ def test_editable_install_needs_no_index(throwaway, fake_cxx):
     assert "setup.py develop" not in out and "Downloading" not in out
     # PEP 660: setuptools' editable wheel, not the legacy develop's egg-link.
     site = throwaway["site"]
-    assert os.path.exists(os.path.join(site, "__editable__.megatron_fsdp-0.1.0.pth"))
+    assert os.path.exists(os.path.join(site, "__editable__.megatron_fsdp2-0.1.0.pth"))
     assert not [f for f in os.listdir(site) if f.endswith(".egg-link")]
     # setup.py chose the system compiler over the fake CXX, and said so.
     assert re.search(rf"\[megatron_fsdp setup\] C\+\+ compiler: .*instead of CXX={re.escape(cxx)}", out), out[-5000:]

@@ -61,7 +61,7 @@ def test_readme_python_examples_are_whole_scripts_that_end_cleanly():
 
 
 @pytest.mark.slow  # a script job in the worker pool
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(4))
 def test_readme_python_snippets_run_as_written(tmp_path, index, pools):
     """Each ```python block of the README, alone, on as many ranks as the torchrun line it starts
     with names: the worker pool's ranks run it as torchrun's would, with its own process group.

@@ -3,7 +3,7 @@
     plan = plan_fsdp(config, ddp_config, module, ...)  # every check, on every rank;
                                                        # nothing changes, nothing communicates
     apply_fsdp_plan(module, plan):
-        cast_master_weights_to_fp32   mixed precision keeps fp32 shards, gathers bf16/fp16
+        cast_main_weights             mixed precision keeps fp32 shards, gathers bf16/fp16
         convert_fp8                   config.fp8: the fp8 converter (fp8/convert.py); with
                                       fp8_param_gather the linear weights gather as fp8
         compile_layers                torch_compile: each TransformerLayer unit compiled
@@ -57,6 +57,8 @@ class FSDPPlan:
     materialize_on: Optional[torch.device]  # the model is on the meta device: materialize here
     copy_kernels: bool  # install megatron_fsdp's kernels behind FSDP2's copy ops (process-wide)
     compiled: tuple = ()  # the units torch_compile compiles (TransformerLayers), in forward order
+    # The dtype of the sharded (main) weights the optimizer updates; None: the model's own.
+    main_params_dtype: Optional[torch.dtype] = None
 
 
 def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterable[type],
@@ -78,10 +80,11 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
     if process_group is None:
         process_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     on_meta = any(p.device.type == "meta" for p in module.parameters())
+    mp_policy = _mixed_precision_policy(config, ddp_config)
     return FSDPPlan(
         mesh=mesh,
         process_group=process_group,
-        mp_policy=_mixed_precision_policy(config, ddp_config),
+        mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,
         wrap_classes=wrap_classes,
         units=tuple(units),
@@ -92,13 +95,14 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         materialize_on=_materialization_device(mesh) if on_meta else None,
         copy_kernels=getattr(ddp_config, "fsdp_copy_kernels", False),
         compiled=compiled,
+        main_params_dtype=torch.float32 if mp_policy.param_dtype is not None else None,
     )
 
 
 def apply_fsdp_plan(module: nn.Module, plan: FSDPPlan) -> None:
     """The changes, in order; `module` ends up an FSDPModule."""
     tp_attributes = snapshot_tp_attributes(module)
-    cast_master_weights_to_fp32(module, plan)
+    cast_main_weights(module, plan)
     convert_fp8(module, plan)
     compile_layers(plan)
     shard_units(module, plan)
@@ -123,11 +127,11 @@ def snapshot_tp_attributes(module: nn.Module) -> dict[str, SimpleNamespace]:
     return saved
 
 
-def cast_master_weights_to_fp32(module: nn.Module, plan: FSDPPlan) -> None:
-    """Under bf16/fp16 the sharded master weights are fp32; FSDP gathers them
-    in the policy's param_dtype."""
-    if plan.mp_policy.param_dtype is not None:
-        module.float()
+def cast_main_weights(module: nn.Module, plan: FSDPPlan) -> None:
+    """The sharded weights are the optimizer's main weights, in their own dtype (fp32 under
+    bf16/fp16); FSDP gathers them in the policy's param_dtype."""
+    if plan.main_params_dtype is not None:
+        module.to(plan.main_params_dtype)
 
 
 def convert_fp8(module: nn.Module, plan: FSDPPlan) -> None:

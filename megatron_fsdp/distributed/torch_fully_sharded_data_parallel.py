@@ -36,6 +36,29 @@ def _copy_kernels_installed() -> bool:
     return fsdp_copy_kernels_enabled()
 
 
+def drop_unsharded_grads(module: nn.Module) -> None:
+    """Drop the unsharded gradients FSDP2 accumulates while gradient sync is off."""
+    for fsdp_param in _torch_compat.fsdp_params(module):
+        _torch_compat.drop_unsharded_grads(fsdp_param)
+
+
+def broadcast_fsdp_params(module: nn.Module, mesh, group: dist.ProcessGroup) -> None:
+    """Rank 0's values everywhere: each shard across the replicas of a 2-D (replicate,
+    shard) mesh (on a 1-D mesh each shard has one owner), buffers across `group` (every
+    data-parallel rank); then the hooks of state derived from the weights (fp8 scales)."""
+    with torch.no_grad():
+        if mesh.ndim == 2:
+            replicate = mesh.get_group(0)
+            src = dist.get_global_rank(replicate, 0)
+            for p in module.parameters():
+                dist.broadcast(p.to_local(), src=src, group=replicate)
+        src = dist.get_global_rank(group, 0)
+        for b in module.buffers():
+            dist.broadcast(b, src=src, group=group)
+    for hook in weights_changed_hooks(module):
+        hook()
+
+
 class TorchFullyShardedDataParallel(_BaseDataParallel):
     """Shards `module` with FSDP2 over the data-parallel group.
 
@@ -127,8 +150,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         inside no_sync(): an accumulation abandoned part-way must not leak
         into the next step."""
         super().zero_grad_buffer()
-        for fsdp_param in _torch_compat.fsdp_params(self.module):
-            _torch_compat.drop_unsharded_grads(fsdp_param)
+        drop_unsharded_grads(self.module)
         self._unsynced_backward = False
 
     def unsharded_grad_bytes(self) -> int:
@@ -172,17 +194,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
     def broadcast_params(self) -> None:
         """Each shard has one owner per replica: broadcast shards across HSDP
         replicas, and buffers across all data-parallel ranks."""
-        with torch.no_grad():
-            if self.device_mesh.ndim == 2:
-                replicate = self.device_mesh.get_group(0)
-                src = dist.get_global_rank(replicate, 0)
-                for p in self.module.parameters():
-                    dist.broadcast(p.to_local(), src=src, group=replicate)
-            src = dist.get_global_rank(self.process_group, 0)
-            for b in self.module.buffers():
-                dist.broadcast(b, src=src, group=self.process_group)
-        for hook in weights_changed_hooks(self.module):  # state derived from the weights (fp8 scales)
-            hook()
+        broadcast_fsdp_params(self.module, self.device_mesh, self.process_group)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load into the sharded parameters in place: values may be DTensors

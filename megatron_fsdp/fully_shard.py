@@ -1,0 +1,295 @@
+"""NVIDIA Megatron-FSDP's `fully_shard` API for any `torch.nn.Module`, on PyTorch FSDP2.
+
+    model, optimizer = fully_shard(model, optimizer, fsdp_unit_modules=[Block])
+
+`fully_shard_model` plans and applies the same FSDP plan as Megatron-Core's
+`TorchFullyShardedDataParallel` (distributed/fsdp_plan.py: units, mesh,
+precision) and returns a `MegatronFSDP`; `fully_shard_optimizer` points the
+optimizer at the sharded parameters. Every argument of NVIDIA's 0.6.1
+signature is accepted by name and either honoured or refused with an error
+naming it, raised before any communication, on every rank alike.
+
+`zero_dp_strategy` (a number or a name) on FSDP2:
+  0 no_shard            a (data-parallel, 1) mesh: parameters, gradients and
+                        optimizer state replicated, gradients all-reduced (DDP)
+  1 optim               parameters kept gathered from forward through
+  2 optim_grads         backward, gradients and optimizer state sharded. FSDP2
+                        always shards gradients: "optim" uses the memory of
+                        "optim_grads", no more than it promises, same training
+  3 optim_grads_params  everything sharded, parameters gathered per unit
+HSDP: `dp_outer_dim` with `outer_dp_sharding_strategy` 0 (replicas of the
+sharded model across the outer dimension).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional, Sequence, Type
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as _FSDP2Policy
+from torch.distributed.tensor import DTensor
+
+from ._process_groups import backend_device_type
+from .distributed.fsdp_plan import FSDPPlan, _units, apply_fsdp_plan
+from .megatron_fsdp import MegatronFSDP
+from .mixed_precision import MixedPrecisionPolicy
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+# NVIDIA's arguments FSDP2 has no counterpart for: accepted at their defaults, refused otherwise.
+_UNSUPPORTED = {
+    "hybrid_fsdp_expt_group": "expert (MoE) process groups",
+    "expt_device_mesh": "an expert (MoE) device mesh",
+    "fsdp_group_ag": "a separate all-gather process group",
+    "expt_fsdp_group_ag": "a separate expert all-gather process group",
+    "keep_fp8_transpose_cache": "Transformer Engine's fp8 transpose cache",
+    "nccl_ub": "NCCL user buffers",
+    "fsdp_double_buffer": "double buffering",
+    "fsdp_db_use_persist_buf_on_alloc_fail": "double buffering",
+    "disable_symmetric_registration": "NCCL user-buffer registration",
+    "enable_fine_grained_param_gather": "per-module parameter gathers inside a unit",
+    "use_decoupled_grad": "gradients in Parameter.decoupled_grad",
+    "cuda_graph_mode": "CUDA-graph-safe buffers",
+    "maxpool_double_buffer": "double buffering",
+}
+
+
+def _strategy(name: str, value, allowed: Sequence[str]) -> str:
+    # (True and False are ints to Python, not strategies.)
+    if (isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(STRATEGIES)
+            and STRATEGIES[value] in allowed):
+        return STRATEGIES[value]
+    if isinstance(value, str) and value in allowed:
+        return value
+    choices = ", ".join(f"{STRATEGIES.index(a)} / {a!r}" for a in allowed)
+    raise ValueError(f"{name}={value!r}: choose one of {choices}")
+
+
+def _unit_classes(fsdp_unit_modules) -> frozenset:
+    if fsdp_unit_modules is None:
+        return frozenset()
+    if isinstance(fsdp_unit_modules, (str, type)):
+        raise TypeError(f"fsdp_unit_modules must be a sequence of classes or import paths, got {fsdp_unit_modules!r}")
+    classes = set()
+    for entry in fsdp_unit_modules:
+        cls = entry
+        if isinstance(entry, str):
+            module_name, _, attr = entry.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+            except (ImportError, AttributeError):
+                cls = None
+            if cls is None:
+                raise ValueError(f"fsdp_unit_modules: cannot import {entry!r} (a dotted path such as "
+                                 "'torch.nn.TransformerEncoderLayer')")
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"fsdp_unit_modules: {entry!r} is not an nn.Module subclass")
+        classes.add(cls)
+    return frozenset(classes)
+
+
+def _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group) -> None:
+    if device_mesh is None:
+        given = [n for n, v in (("dp_outer_dim", dp_outer_dim), ("hybrid_fsdp_group", hybrid_fsdp_group)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} need a device_mesh (HSDP is a 2-D data-parallel mesh)")
+        return
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch DeviceMesh, got {type(device_mesh).__name__}")
+    names = device_mesh.mesh_dim_names or ()
+    if dp_shard_dim is None:
+        raise ValueError(f"device_mesh given: dp_shard_dim must name its sharding dimension (one of {names})")
+    for arg, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim), ("tp_dim", tp_dim)):
+        if dim is not None and dim not in names:
+            raise ValueError(f"{arg}={dim!r} is not a dimension of device_mesh (its dimensions: {names})")
+    if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
+        raise ValueError(f"dp_outer_dim={dp_outer_dim!r} and hybrid_fsdp_group={hybrid_fsdp_group!r} go together "
+                         "(HSDP) or are both None")
+    if hybrid_fsdp_group is not None:
+        expected = device_mesh[dp_outer_dim].size() * device_mesh[dp_shard_dim].size()
+        if dist.get_world_size(hybrid_fsdp_group) != expected:
+            raise ValueError(f"hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks; the "
+                             f"{dp_outer_dim!r} x {dp_shard_dim!r} dimensions of device_mesh hold {expected}")
+
+
+def _compute_dtype(module: nn.Module) -> Optional[torch.dtype]:
+    dtypes = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if len(dtypes) > 1:
+        raise ValueError(f"fully_shard: the module's floating-point parameters mix dtypes {sorted(map(str, dtypes))}; "
+                         "build it in one dtype (its compute dtype)")
+    return next(iter(dtypes), None)
+
+
+def fully_shard_model(
+    module: nn.Module,
+    device_mesh: Optional[DeviceMesh] = None,
+    dp_shard_dim: Optional[str] = None,
+    dp_outer_dim: Optional[str] = None,
+    tp_dim: Optional[str] = None,
+    hybrid_fsdp_group: Optional[dist.ProcessGroup] = None,
+    hybrid_fsdp_expt_group: Optional[dist.ProcessGroup] = None,
+    expt_device_mesh: Optional[DeviceMesh] = None,
+    fsdp_group_ag: Optional[dist.ProcessGroup] = None,
+    expt_fsdp_group_ag: Optional[dist.ProcessGroup] = None,
+    fsdp_unit_modules: Optional[Sequence[Type[nn.Module]] | Sequence[str]] = None,
+    zero_dp_strategy: str | int = 3,
+    outer_dp_sharding_strategy: str | int = 0,
+    device: Optional[torch.device] = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    report_nan_in_param_grad: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    disable_symmetric_registration: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    use_decoupled_grad: bool = False,
+    cuda_graph_mode: bool = False,
+    maxpool_double_buffer: bool = False,
+) -> MegatronFSDP:
+    """Shard `module` with FSDP2: each outermost instance of a class in `fsdp_unit_modules` is
+    a unit (gathered for its own forward and backward), sharded bottom-up, then the root.
+    See the module's docstring for the strategies; the arguments are NVIDIA's. Honoured on
+    FSDP2 as follows: overlap_* (FSDP2 always overlaps: False is refused), average_in_collective
+    (either way gradients are the data-parallel mean), calculate_per_token_loss (gradients
+    summed, not averaged), preproc_state_dict_for_dcp_ckpt (FSDP2's state dicts are DCP-ready
+    DTensors either way), report_nan_in_param_grad (finish_grad_sync checks)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard_model: module must be a torch.nn.Module, got {type(module).__name__}")
+    local = dict(locals())
+    for name, what in _UNSUPPORTED.items():
+        if local[name] not in (None, False):
+            raise NotImplementedError(f"fully_shard: {name}={local[name]!r} is not supported: FSDP2 has no "
+                                      f"{what}; leave it at its default")
+    for name in ("overlap_grad_reduce", "overlap_param_gather"):
+        if local[name] is not True:
+            raise ValueError(f"fully_shard: {name}={local[name]!r}: FSDP2 always overlaps communication with "
+                             "compute; only True is supported")
+    for name in ("init_model_with_meta_device", "sync_model_each_microbatch", "preproc_state_dict_for_dcp_ckpt",
+                 "report_nan_in_param_grad", "average_in_collective", "disable_bucketing",
+                 "calculate_per_token_loss"):
+        if not isinstance(local[name], bool):
+            raise TypeError(f"fully_shard: {name} must be True or False, got {local[name]!r}")
+    if init_model_with_meta_device:
+        raise NotImplementedError("fully_shard: init_model_with_meta_device=True is not supported yet; build the "
+                                  "model on a device (or on the CPU) and pass device=")
+    if not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
+        raise TypeError("fully_shard: mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy, got "
+                        f"{type(mixed_precision_policy).__name__}")
+    strategy = _strategy("zero_dp_strategy", zero_dp_strategy, STRATEGIES)
+    outer = _strategy("outer_dp_sharding_strategy", outer_dp_sharding_strategy, STRATEGIES[:2])
+    if outer == "optim":
+        raise NotImplementedError("fully_shard: outer_dp_sharding_strategy=1 / 'optim' (HFSDP: optimizer state "
+                                  "sharded across dp_outer_dim too) is not supported yet; use 0 / 'no_shard'")
+    unit_classes = _unit_classes(fsdp_unit_modules)
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard: torch.distributed is not initialized (call init_process_group first)")
+    _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group)
+    device_type = backend_device_type(dist.get_backend())
+    if strategy == "no_shard" and device_mesh is not None and (
+            dp_outer_dim is not None or device_mesh[dp_shard_dim].size() != dist.get_world_size()):
+        raise NotImplementedError("fully_shard: zero_dp_strategy 0 / 'no_shard' is supported with a data-parallel "
+                                  "dimension over every rank (no HSDP, no tensor parallelism) for now")
+    if any(isinstance(p, DTensor) for p in module.parameters()) and (device_mesh is None or tp_dim is None):
+        raise ValueError("fully_shard: the module holds DTensor (tensor-parallel) parameters: pass the device_mesh "
+                         "they live on, with tp_dim and dp_shard_dim")
+    compute_dtype = _compute_dtype(module)
+    if device is not None:
+        module.to(device)
+
+    # Every check has passed on every rank alike: from here on, meshes and collectives.
+    if strategy == "no_shard":
+        mesh = init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        group = mesh.get_group(0)
+    elif device_mesh is None:
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+        group = mesh.get_group()
+    elif dp_outer_dim is not None:
+        mesh, group = device_mesh[dp_outer_dim, dp_shard_dim], hybrid_fsdp_group
+    else:
+        mesh = device_mesh[dp_shard_dim]
+        group = mesh.get_group()
+
+    main_dtype = mixed_precision_policy.main_params_dtype
+    cast = main_dtype is not None and compute_dtype is not None and main_dtype != compute_dtype
+    reduce_dtype = mixed_precision_policy.grad_comm_dtype or (main_dtype if cast else None)
+    plan = FSDPPlan(
+        mesh=mesh,
+        process_group=group,
+        mp_policy=_FSDP2Policy(param_dtype=compute_dtype if cast else None, reduce_dtype=reduce_dtype),
+        reshard_after_forward=strategy == "optim_grads_params",
+        wrap_classes=unit_classes,
+        units=() if disable_bucketing else tuple(_units(module, unit_classes)),
+        fp8_config=None,
+        fp8_param_gather=False,
+        force_sum_reduction=dist.get_backend(group) == "gloo",
+        explicit_backward_prefetch=False,
+        materialize_on=None,
+        copy_kernels=False,
+        main_params_dtype=main_dtype if cast else None,
+    )
+    before = list(module.named_parameters())
+    apply_fsdp_plan(module, plan)
+    for name, param in before:  # for fully_shard_optimizer: each parameter's sharded successor
+        param._megatron_fsdp_sharded = module.get_parameter(name)
+    if calculate_per_token_loss:
+        for m in module.modules():
+            if hasattr(m, "set_gradient_divide_factor"):
+                m.set_gradient_divide_factor(1.0)
+    return MegatronFSDP(module, mesh, group, zero_dp_strategy=strategy,
+                        sync_model_each_microbatch=sync_model_each_microbatch,
+                        report_nan_in_param_grad=report_nan_in_param_grad)
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
+                          preproc_state_dict_for_dcp_ckpt: bool = True) -> torch.optim.Optimizer:
+    """Point `optimizer` (built on the module's parameters before fully_shard_model) at the
+    sharded parameters, in place; returns it."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fully_shard_optimizer: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if not isinstance(preproc_state_dict_for_dcp_ckpt, bool):
+        raise TypeError(f"fully_shard_optimizer: preproc_state_dict_for_dcp_ckpt must be True or False, got "
+                        f"{preproc_state_dict_for_dcp_ckpt!r}")
+    if optimizer.state:
+        raise ValueError("fully_shard_optimizer: the optimizer has state already (it has stepped): build it "
+                         "on the model's parameters and shard it before the first step")
+    for group in optimizer.param_groups:
+        replaced = []
+        for p in group["params"]:
+            if getattr(p, "_megatron_fsdp_sharded", None) is None and not isinstance(p, DTensor):
+                raise ValueError("fully_shard_optimizer: the optimizer holds a parameter of shape "
+                                 f"{tuple(p.shape)} that fully_shard_model did not shard")
+            replaced.append(getattr(p, "_megatron_fsdp_sharded", p))
+        group["params"] = replaced
+    return optimizer
+
+
+def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> tuple[MegatronFSDP,
+                                                                                        torch.optim.Optimizer]:
+    """`fully_shard_model(module, **kwargs)` and `fully_shard_optimizer(optimizer)`: returns both."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fully_shard: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    own = {id(p) for p in module.parameters()}
+    unknown = [tuple(p.shape) for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if unknown:
+        raise ValueError(f"fully_shard: the optimizer holds parameters that are not the module's (shapes {unknown[:3]})")
+    if optimizer.state:
+        raise ValueError("fully_shard: the optimizer has state already (it has stepped): build it on the model's "
+                         "parameters and shard both before the first step")
+    model = fully_shard_model(module, **kwargs)
+    optimizer = fully_shard_optimizer(
+        optimizer, preproc_state_dict_for_dcp_ckpt=kwargs.get("preproc_state_dict_for_dcp_ckpt", True))
+    return model, optimizer

@@ -1,0 +1,95 @@
+"""`MegatronFSDP`: the model `fully_shard_model` returns (NVIDIA Megatron-FSDP's class, on FSDP2).
+
+The wrapped module (`.module`) holds FSDP2's sharded parameters (DTensors);
+this class adds NVIDIA's training-loop interface: gradient synchronization
+control (`set_model_auto_sync`, `no_sync`, `sync`), `finish_grad_sync`,
+`zero_grad_buffer`, `broadcast_params`, and state dicts DCP saves and loads.
+
+When gradients are reduced: every backward while auto-sync is on (the
+default, `sync_model_each_microbatch=True`) or once `no_sync()` has been left
+(NVIDIA's `is_last_microbatch`); otherwise FSDP2 accumulates unsharded
+gradients without communication and the sharded `.grad`s stay empty until
+the synchronizing backward reduces everything that accumulated.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .distributed.data_parallel_base import _BaseDataParallel
+from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params, drop_unsharded_grads
+
+
+class MegatronFSDP(_BaseDataParallel):
+    def __init__(self, module: nn.Module, device_mesh: DeviceMesh, process_group: dist.ProcessGroup, *,
+                 zero_dp_strategy: str, sync_model_each_microbatch: bool = True,
+                 report_nan_in_param_grad: bool = False):
+        super().__init__(config=None, module=module)
+        self.device_mesh = device_mesh
+        self.process_group = process_group
+        self.data_parallel_sharding_strategy = zero_dp_strategy
+        self.report_nan_in_param_grad = report_nan_in_param_grad
+        self.model_auto_sync = sync_model_each_microbatch
+        self.is_last_microbatch = False
+
+    def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():
+            self.module.set_requires_gradient_sync(self.model_auto_sync or self.is_last_microbatch)
+        return self.module(*inputs, **kwargs)
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        """True: reduce gradients in every backward; False: only in the backward of a forward
+        run outside `no_sync()` after leaving it (the last microbatch)."""
+        if not isinstance(sync_model, bool):
+            raise TypeError(f"set_model_auto_sync: sync_model must be True or False, got {sync_model!r}")
+        self.model_auto_sync = sync_model
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside accumulate without communication (with
+        auto-sync off); the first one after it reduces everything."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
+
+    @contextmanager
+    def sync(self):
+        """Auto-sync on inside, off after (NVIDIA's)."""
+        self.set_model_auto_sync(True)
+        try:
+            yield
+        finally:
+            self.set_model_auto_sync(False)
+
+    def start_grad_sync(self, *unused) -> None:
+        """No-op: FSDP2 launches each unit's reduction during backward."""
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """FSDP2 waits for its reductions at the end of backward; with report_nan_in_param_grad,
+        raises on every rank naming the parameters whose gradient holds a NaN."""
+        if self.report_nan_in_param_grad:
+            local = [(name, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+                     for name, p in self.module.named_parameters() if p.grad is not None]
+            bad = [name for name, g in local if torch.isnan(g).any()]
+            flag = torch.tensor([float(bool(bad))], device=self.device_mesh.device_type)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+            if flag.item():
+                where = f"this rank's shards of {bad[:5]}" if bad else "shards held by other ranks"
+                raise RuntimeError(f"rank {dist.get_rank()}: NaN in the gradient of {where}")
+
+    def zero_grad_buffer(self) -> None:
+        """Drop every gradient, the unsharded ones accumulated without synchronization included."""
+        super().zero_grad_buffer()
+        drop_unsharded_grads(self.module)
+
+    def broadcast_params(self) -> None:
+        """Make every data-parallel replica hold rank 0's parameters and buffers."""
+        broadcast_fsdp_params(self.module, self.device_mesh, self.process_group)

@@ -1,0 +1,247 @@
+"""NVIDIA Megatron-FSDP's `fully_shard` API on FSDP2, for models that are not ours (a small CNN, a
+`torch.nn.TransformerEncoderLayer` stack), on gloo worker processes.
+
+The reference is one process training the same model (same seed) on every rank's data, with
+SGD and momentum (Adam turns rounding noise in zero gradients into lr-sized steps): after a few
+steps every rank's full parameters equal it within 1e-5."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import megatron_fsdp
+from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
+
+STEPS = 3
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                                      nn.ReLU(), nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+class EncoderStack(nn.Module):
+    def __init__(self, layers=3, width=16):
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, 2, dim_feedforward=32, dropout=0.0,
+                                                               batch_first=True) for _ in range(layers))
+        self.out = nn.Linear(width, 5)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h.mean(1))
+
+
+MODELS = {  # name: (build, units (classes or import paths), input of n samples)
+    "cnn": (SmallCNN, [nn.Sequential], lambda g, n: torch.randn(n, 3, 6, 6, generator=g)),
+    "encoder": (EncoderStack, ["torch.nn.TransformerEncoderLayer"], lambda g, n: torch.randn(n, 4, 6, generator=g)),
+}
+
+
+def _data(model_name, step, rank, n=4):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return MODELS[model_name][2](g, n), torch.randint(0, 5, (n,), generator=g)
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _full(param):
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def _reference(model_name, world, microbatches=1):
+    torch.manual_seed(0)
+    model = MODELS[model_name][0]()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for mb in range(microbatches):
+            batches = [_data(model_name, step * microbatches + mb, r) for r in range(world)]
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _case_training_matches_reference(model_name, strategy, **kwargs):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    build, units, _ = MODELS[model_name]
+    module = build()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    model, opt = fully_shard(module, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy, **kwargs)
+    assert isinstance(model, megatron_fsdp.MegatronFSDP) and model.module is module
+    for step in range(STEPS):
+        x, y = _data(model_name, step, rank)
+        _loss(model, x, y).backward()
+        model.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+    expected = _reference(model_name, world)
+    got = {name: _full(p).detach() for name, p in model.module.named_parameters()}
+    assert got.keys() == expected.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    sharded = [p for p in model.module.parameters() if p.to_local().numel() < p.numel()]
+    return model.data_parallel_sharding_strategy, model.device_mesh.ndim, bool(sharded)
+
+
+@pytest.mark.parametrize("model_name, strategy, expected", [
+    ("cnn", 0, ("no_shard", 2, False)), ("cnn", 1, ("optim", 1, True)), ("cnn", 2, ("optim_grads", 1, True)),
+    ("cnn", 3, ("optim_grads_params", 1, True)),
+    ("encoder", "no_shard", ("no_shard", 2, False)), ("encoder", "optim", ("optim", 1, True)),
+    ("encoder", "optim_grads", ("optim_grads", 1, True)),
+    ("encoder", "optim_grads_params", ("optim_grads_params", 1, True)),
+])
+def test_every_strategy_trains_like_one_process_on_the_whole_batch(pools, model_name, strategy, expected):
+    assert pools(4).run(_case_training_matches_reference, model_name, strategy) == [expected] * 4
+
+
+def _case_hsdp(model_name):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "shard"))
+    return _case_training_matches_reference(model_name, 3, device_mesh=mesh, dp_shard_dim="shard",
+                                            dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD)
+
+
+def test_hsdp_replicates_the_sharded_model_across_the_outer_dimension(pools):
+    assert pools(4).run(_case_hsdp, "encoder") == [("optim_grads_params", 2, True)] * 4
+
+
+def _case_accumulation_syncs_once():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = EncoderStack()
+    model = fully_shard_model(module, fsdp_unit_modules=[nn.TransformerEncoderLayer],
+                              sync_model_each_microbatch=False)
+    opt = fully_shard_optimizer(torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+    for step in range(STEPS):
+        model.set_model_auto_sync(False)
+        x, y = _data("encoder", 2 * step, rank)
+        _loss(model, x, y).backward()
+        # Not synchronized: nothing reduced, so no sharded gradient yet.
+        assert all(p.grad is None for p in model.module.parameters())
+        model.set_model_auto_sync(True)
+        x, y = _data("encoder", 2 * step + 1, rank)
+        _loss(model, x, y).backward()
+        assert all(p.grad is not None for p in model.module.parameters())
+        opt.step()
+        model.zero_grad_buffer()
+    expected = _reference("encoder", world, microbatches=2)
+    for name, p in model.module.named_parameters():
+        torch.testing.assert_close(_full(p).detach(), expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_accumulation_with_auto_sync_off_then_on_equals_summed_gradients(pools):
+    pools(2).run(_case_accumulation_syncs_once)
+
+
+def _case_bf16_compute():
+    torch.manual_seed(0)
+    module = EncoderStack().to(torch.bfloat16)
+    model = fully_shard_model(module, fsdp_unit_modules=[nn.TransformerEncoderLayer],
+                              mixed_precision_policy=MixedPrecisionPolicy(grad_comm_dtype=torch.float32))
+    x, y = _data("encoder", 0, dist.get_rank())
+    out = model(x.to(torch.bfloat16))
+    nn.functional.cross_entropy(out.float(), y).backward()
+    return (out.dtype, {p.dtype for p in model.module.parameters()}, {p.grad.dtype for p in model.module.parameters()})
+
+
+def test_bf16_compute_keeps_fp32_main_weights_and_gradients(pools):
+    assert pools(2).run(_case_bf16_compute) == [(torch.bfloat16, {torch.float32}, {torch.float32})] * 2
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(nccl_ub=True), NotImplementedError, "nccl_ub=True is not supported: FSDP2 has no NCCL user buffers"),
+    (dict(fsdp_double_buffer=True), NotImplementedError, "fsdp_double_buffer=True is not supported"),
+    (dict(cuda_graph_mode=True), NotImplementedError, "cuda_graph_mode=True is not supported"),
+    (dict(expt_device_mesh=object()), NotImplementedError, "expt_device_mesh=.* is not supported"),
+    (dict(overlap_param_gather=False), ValueError, "overlap_param_gather=False: FSDP2 always overlaps"),
+    (dict(zero_dp_strategy=4), ValueError, "zero_dp_strategy=4: choose one of 0 / 'no_shard', 1 / 'optim', "
+                                           "2 / 'optim_grads', 3 / 'optim_grads_params'"),
+    (dict(zero_dp_strategy="zero3"), ValueError, "zero_dp_strategy='zero3': choose one of"),
+    (dict(zero_dp_strategy=True), ValueError, "zero_dp_strategy=True: choose one of"),
+    (dict(outer_dp_sharding_strategy=2), ValueError, r"outer_dp_sharding_strategy=2: choose one of 0 / 'no_shard', "
+                                                     r"1 / 'optim'$"),
+    (dict(outer_dp_sharding_strategy="optim"), NotImplementedError, "HFSDP.*not supported yet"),
+    (dict(init_model_with_meta_device=True), NotImplementedError, "init_model_with_meta_device=True"),
+    (dict(fsdp_unit_modules=["torch.nn.NoSuchLayer"]), ValueError, "cannot import 'torch.nn.NoSuchLayer'"),
+    (dict(fsdp_unit_modules=[int]), TypeError, "is not an nn.Module subclass"),
+    (dict(sync_model_each_microbatch="yes"), TypeError, "sync_model_each_microbatch must be True or False"),
+    (dict(mixed_precision_policy=object()), TypeError, "mixed_precision_policy must be a "
+                                                       "megatron_fsdp.MixedPrecisionPolicy"),
+])
+def test_refused_arguments_name_themselves_before_any_communication(kwargs, error, message):
+    # No process group exists here: each refusal comes before anything distributed is touched.
+    with pytest.raises(error, match=message):
+        fully_shard_model(SmallCNN(), **kwargs)
+
+
+def test_mixed_precision_policy_checks_its_fields():
+    with pytest.raises(ValueError, match="main_grads_dtype=torch.bfloat16 differs from main_params_dtype=torch.float32"):
+        MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grad_comm_dtype must be None or a floating-point dtype"):
+        MixedPrecisionPolicy(grad_comm_dtype=torch.int8)
+    assert MixedPrecisionPolicy(main_grads_dtype=torch.float32).main_grads_dtype == torch.float32
+
+
+def test_the_optimizer_must_hold_the_models_parameters_and_no_state():
+    model = SmallCNN()
+    other = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match=r"the optimizer holds parameters that are not the module's \(shapes \[\(2,\)\]\)"):
+        fully_shard(model, other)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got list"):
+        fully_shard(model, [])
+
+
+def test_megatron_fsdp_fully_shard_is_the_function_whatever_was_imported_first():
+    import megatron_fsdp.fully_shard as imported
+
+    assert imported is fully_shard and megatron_fsdp.fully_shard is fully_shard and callable(fully_shard)
+
+
+def _case_per_token_loss_sums_gradients():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = SmallCNN()
+    torch.manual_seed(0)
+    model = fully_shard_model(SmallCNN(), fsdp_unit_modules=[nn.Sequential], calculate_per_token_loss=True)
+    x, y = _data("cnn", 0, rank)
+    _loss(model, x, y).backward()
+    for r in range(world):  # the sum of every rank's gradient, not their mean
+        _loss(reference, *_data("cnn", 0, r)).backward()
+    for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(_full(p.grad), q.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_per_token_loss_sums_the_gradients_of_every_rank(pools):
+    pools(2).run(_case_per_token_loss_sums_gradients)
+
+
+def _case_nan_gradient_is_reported_on_every_rank():
+    rank = dist.get_rank()
+    model = fully_shard_model(SmallCNN(), fsdp_unit_modules=[nn.Sequential], report_nan_in_param_grad=True,
+                              zero_dp_strategy=2)
+    x, y = _data("cnn", 0, rank)
+    if rank == 1:
+        x[0, 0, 0, 0] = float("nan")
+    _loss(model, x, y).backward()
+    model.finish_grad_sync()
+
+
+def test_a_nan_gradient_is_reported_on_every_rank(pools):
+    errors = pools(2).run_expecting_errors(_case_nan_gradient_is_reported_on_every_rank)
+    assert all(e.type_name == "RuntimeError" and "NaN in the gradient of" in e.message for e in errors), errors
