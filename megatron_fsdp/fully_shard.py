@@ -253,10 +253,45 @@ def fully_shard_model(
                         report_nan_in_param_grad=report_nan_in_param_grad)
 
 
+# Optimizers whose lazily created state is all zeros (step 0): created here as the first step
+# would, so that DCP can load into `optimizer.state_dict()` before any step (NVIDIA's way).
+_ZERO_STATE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+@torch.no_grad()
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """One step with zero gradients at learning rate 0 creates the state, which is then reset
+    to what a first step finds (zeros, step 0): the parameters do not move (lr 0 scales every
+    update, AdamW's decay included) and training is unchanged (tests/test_fully_shard.py)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0 if not torch.is_tensor(group["lr"]) else torch.zeros_like(group["lr"])
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p in params:
+            p.grad = None
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0
+
+
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
                           preproc_state_dict_for_dcp_ckpt: bool = True) -> torch.optim.Optimizer:
     """Point `optimizer` (built on the module's parameters before fully_shard_model) at the
-    sharded parameters, in place; returns it."""
+    sharded parameters, in place; returns it. The state of SGD, Adam and AdamW exists from
+    here on (as it would after a first step, zeros), so that
+    `dcp.load({"optimizer": optimizer.state_dict()}, ...)` restores a checkpoint into it;
+    other optimizers create theirs in their first step (load theirs with
+    torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard_optimizer: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -274,6 +309,8 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
                                  f"{tuple(p.shape)} that fully_shard_model did not shard")
             replaced.append(getattr(p, "_megatron_fsdp_sharded", p))
         group["params"] = replaced
+    if type(optimizer) in _ZERO_STATE_OPTIMIZERS:
+        _create_state(optimizer)
     return optimizer
 
 

@@ -245,3 +245,83 @@ def _case_nan_gradient_is_reported_on_every_rank():
 def test_a_nan_gradient_is_reported_on_every_rank(pools):
     errors = pools(2).run_expecting_errors(_case_nan_gradient_is_reported_on_every_rank)
     assert all(e.type_name == "RuntimeError" and "NaN in the gradient of" in e.message for e in errors), errors
+
+
+def _adam_run(path, steps, *, resume_from=None, seed=0, precreated=True):
+    """Adam on the encoder stack, ZeRO-3; optionally restored from `resume_from` first (DCP, in
+    place, NVIDIA's way) and saved to `path` at the end. Returns the full parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    module = EncoderStack()
+    if precreated:
+        opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+        model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer])
+    else:  # built on the sharded parameters: its state appears in its first step
+        model = fully_shard_model(module, fsdp_unit_modules=[nn.TransformerEncoderLayer])
+        opt = torch.optim.Adam(model.module.parameters(), lr=1e-2)
+    first = 0
+    if resume_from is not None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        dcp.load(state, checkpoint_id=resume_from)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        first = int(opt.state_dict()["state"][0]["step"])
+    for step in range(first, steps):
+        x, y = _data("encoder", step, rank)
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    if path is not None:
+        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
+    return [_full(p).detach().clone() for p in model.module.parameters()]
+
+
+def _case_optimizer_state_exists_and_changes_nothing(path):
+    precreated = _adam_run(None, 3)
+    lazy = _adam_run(None, 3, precreated=False)
+    for a, b in zip(precreated, lazy):
+        assert torch.equal(a, b)
+    # Saved after 2 steps, loaded into a differently seeded model and optimizer, one more step:
+    # the uninterrupted run's parameters.
+    _adam_run(path, 2)
+    resumed = _adam_run(None, 3, resume_from=path, seed=123)
+    for a, b in zip(resumed, precreated):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_state_exists_after_sharding_and_a_dcp_round_trip_continues_exactly(pools, tmp_path):
+    pools(2).run(_case_optimizer_state_exists_and_changes_nothing, str(tmp_path / "ckpt"))
+
+
+def _local_bytes(tensors):
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * 4 for t in tensors if t is not None)
+
+
+def _case_memory_per_strategy(strategy):
+    """Bytes this rank holds between steps (fp32): parameters, gradients, Adam's two moments."""
+    torch.manual_seed(0)
+    module = EncoderStack()
+    full = sum(p.numel() for p in module.parameters()) * 4
+    opt = torch.optim.Adam(module.parameters(), lr=1e-3)
+    model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], zero_dp_strategy=strategy)
+    x, y = _data("encoder", 0, dist.get_rank())
+    _loss(model, x, y).backward()
+    opt.step()
+    params = list(model.module.parameters())
+    moments = [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    return full, _local_bytes(params), _local_bytes(p.grad for p in params), _local_bytes(moments)
+
+
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+def test_each_strategy_holds_the_memory_its_name_promises(pools, strategy):
+    world = 4
+    for full, params, grads, moments in pools(world).run(_case_memory_per_strategy, strategy):
+        # Shards are whole rows, padded per rank: at most a few rows above an even split.
+        sharded = pytest.approx(full / world, rel=0.15)
+        if strategy == 0:  # no_shard: everything replicated
+            assert (params, grads, moments) == (full, full, 2 * full)
+        else:  # optimizer state sharded (1), gradients too (2; FSDP2 shards them under 1 as well), params (3)
+            assert moments == pytest.approx(2 * full / world, rel=0.15) and grads == sharded
+            assert params == sharded  # at rest FSDP2 holds only shards, under 1 and 2 too
