@@ -124,6 +124,32 @@ def _compute_dtype(module: nn.Module) -> Optional[torch.dtype]:
     return next(iter(dtypes), None)
 
 
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+@torch.no_grad()
+def _materialize(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
+    """A meta-device model after sharding: allocate this rank's shards only, then let each
+    submodule initialize its own parameters (`reset_parameters()`, or `_reset_parameters()`
+    as torch's MultiheadAttention has) on them; replicas (HSDP) then take replica 0's values."""
+    module.to_empty(device=device)
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if callable(reset):
+            reset()
+    missing = [name for name, p in module.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise RuntimeError(f"fully_shard: parameters still on the meta device after materialization: {missing[:5]}")
+    if mesh.ndim == 2:
+        replicate = mesh.get_group(0)
+        src = dist.get_global_rank(replicate, 0)
+        for p in module.parameters():
+            dist.broadcast(p.to_local(), src=src, group=replicate)
+
+
 def fully_shard_model(
     module: nn.Module,
     device_mesh: Optional[DeviceMesh] = None,
@@ -182,13 +208,18 @@ def fully_shard_model(
                  "calculate_per_token_loss"):
         if not isinstance(local[name], bool):
             raise TypeError(f"fully_shard: {name} must be True or False, got {local[name]!r}")
-    if init_model_with_meta_device:
-        raise NotImplementedError("fully_shard: init_model_with_meta_device=True is not supported yet; build the "
-                                  "model on a device (or on the CPU) and pass device=")
     if not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
         raise TypeError("fully_shard: mixed_precision_policy must be a megatron_fsdp.MixedPrecisionPolicy, got "
                         f"{type(mixed_precision_policy).__name__}")
     strategy = _strategy("zero_dp_strategy", zero_dp_strategy, STRATEGIES)
+    on_meta = any(p.device.type == "meta" for p in module.parameters())
+    if init_model_with_meta_device and strategy == "no_shard":
+        raise ValueError("fully_shard: init_model_with_meta_device=True shards the initialization; with "
+                         "zero_dp_strategy 0 / 'no_shard' nothing is sharded: build the model on a device")
+    if init_model_with_meta_device != on_meta:
+        raise ValueError(f"fully_shard: init_model_with_meta_device={init_model_with_meta_device} but the module's "
+                         f"parameters are {'on' if on_meta else 'not on'} the meta device: build it under "
+                         "torch.device('meta') with True, on a device with False")
     outer = _strategy("outer_dp_sharding_strategy", outer_dp_sharding_strategy, STRATEGIES[:2])
     if outer == "optim":
         raise NotImplementedError("fully_shard: outer_dp_sharding_strategy=1 / 'optim' (HFSDP: optimizer state "
@@ -206,7 +237,7 @@ def fully_shard_model(
         raise ValueError("fully_shard: the module holds DTensor (tensor-parallel) parameters: pass the device_mesh "
                          "they live on, with tp_dim and dp_shard_dim")
     compute_dtype = _compute_dtype(module)
-    if device is not None:
+    if device is not None and not on_meta:
         module.to(device)
 
     # Every check has passed on every rank alike: from here on, meshes and collectives.
@@ -242,6 +273,8 @@ def fully_shard_model(
     )
     before = list(module.named_parameters())
     apply_fsdp_plan(module, plan)
+    if on_meta:
+        _materialize(module, mesh, torch.device(device) if device is not None else _device_of(mesh))
     for name, param in before:  # for fully_shard_optimizer: each parameter's sharded successor
         param._megatron_fsdp_sharded = module.get_parameter(name)
     if calculate_per_token_loss:

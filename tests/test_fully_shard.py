@@ -177,7 +177,10 @@ def test_bf16_compute_keeps_fp32_main_weights_and_gradients(pools):
     (dict(outer_dp_sharding_strategy=2), ValueError, r"outer_dp_sharding_strategy=2: choose one of 0 / 'no_shard', "
                                                      r"1 / 'optim'$"),
     (dict(outer_dp_sharding_strategy="optim"), NotImplementedError, "HFSDP.*not supported yet"),
-    (dict(init_model_with_meta_device=True), NotImplementedError, "init_model_with_meta_device=True"),
+    (dict(init_model_with_meta_device=True), ValueError, "init_model_with_meta_device=True but the module's "
+                                                         "parameters are not on the meta device"),
+    (dict(init_model_with_meta_device=True, zero_dp_strategy=0), ValueError,
+     "with zero_dp_strategy 0 / 'no_shard' nothing is sharded"),
     (dict(fsdp_unit_modules=["torch.nn.NoSuchLayer"]), ValueError, "cannot import 'torch.nn.NoSuchLayer'"),
     (dict(fsdp_unit_modules=[int]), TypeError, "is not an nn.Module subclass"),
     (dict(sync_model_each_microbatch="yes"), TypeError, "sync_model_each_microbatch must be True or False"),
@@ -325,3 +328,37 @@ def test_each_strategy_holds_the_memory_its_name_promises(pools, strategy):
         else:  # optimizer state sharded (1), gradients too (2; FSDP2 shards them under 1 as well), params (3)
             assert moments == pytest.approx(2 * full / world, rel=0.15) and grads == sharded
             assert params == sharded  # at rest FSDP2 holds only shards, under 1 and 2 too
+
+
+def _case_meta_device_init(hsdp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs = {}
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "shard"))
+        kwargs = dict(device_mesh=mesh, dp_shard_dim="shard", dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD)
+    torch.manual_seed(dist.get_rank())  # ranks draw differently: replicas must still agree
+    with torch.device("meta"):
+        module = EncoderStack()
+    full = {name: p.numel() for name, p in module.named_parameters()}
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer],
+                             init_model_with_meta_device=True, device=torch.device("cpu"), **kwargs)
+    shard = 2 if hsdp else 4
+    for name, p in model.module.named_parameters():
+        assert p.device.type == "cpu" and torch.isfinite(p.to_local()).all(), name
+        assert p.to_local().numel() <= -(-p.size(0) // shard) * (full[name] // p.size(0)), name  # a shard only
+    # Each module's reset_parameters ran: weights are not all zeros, LayerNorm weights are ones.
+    layer = model.module.layers[0]
+    assert _full(layer.norm1.weight).eq(1).all() and _full(layer.linear1.weight).abs().sum() > 0
+    assert _full(layer.self_attn.in_proj_weight).abs().sum() > 0  # MultiheadAttention's _reset_parameters
+    x, y = _data("encoder", 0, dist.get_rank())
+    _loss(model, x, y).backward()
+    opt.step()
+    return [_full(p).sum().item() for p in model.module.parameters()]
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_meta_device_init_materializes_shards_and_replicas_agree(pools, hsdp):
+    sums = pools(4).run(_case_meta_device_init, hsdp)
+    assert all(s == sums[0] for s in sums)  # the same full model on every rank
