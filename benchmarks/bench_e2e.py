@@ -13,6 +13,9 @@ Arms (bf16 compute, fp32 master weights and gradient reduction, AdamW):
                   fully_shard per block and at the root with MixedPrecisionPolicy(bf16, fp32
                   reduce), torch.optim.AdamW (fused on CUDA)
   plain+compile   the same, each block compiled
+  fully_shard     the same plain Llama through megatron_fsdp.fully_shard (NVIDIA Megatron-FSDP's
+                  API on our FSDP plan): built in bf16, MixedPrecisionPolicy(fp32 main weights,
+                  fp32 gradient reduction), each Block a unit; against plain (+compile likewise)
   pretrain        (--pretrain) examples/pretrain_gpt.py with the same shapes and Megatron's
                   default flags for them, in a subprocess: its own logged time per iteration
 
@@ -169,6 +172,31 @@ def _plain_arm(s, device, compile_layers: bool):
     return step
 
 
+def _fully_shard_arm(s, device, compile_layers: bool):
+    """The plain Llama through megatron_fsdp.fully_shard (NVIDIA Megatron-FSDP's API): built in
+    bf16 (the compute dtype), fp32 main weights and gradient reduction, each Block a unit."""
+    from megatron_fsdp import MixedPrecisionPolicy as MainPolicy, fully_shard as megatron_fully_shard
+
+    torch.manual_seed(1234)
+    model = PlainLlama(s).to(device=device, dtype=torch.bfloat16)
+    if compile_layers:
+        for layer in model.layers:
+            layer.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    model, optimizer = megatron_fully_shard(
+        model, optimizer, fsdp_unit_modules=[Block],
+        mixed_precision_policy=MainPolicy(main_params_dtype=torch.float32, grad_comm_dtype=torch.float32))
+
+    def step(ids):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(ids, ids)
+        loss.backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        return loss
+    return step
+
+
 def _timed(step, ids, warmup: int, steps: int) -> tuple[float, float, float]:
     """(median ms per step, peak GiB allocated, last loss)."""
     cuda = ids.device.type == "cuda"
@@ -223,11 +251,13 @@ def main():
     p.add_argument("--warmup", type=int, default=None, help="default: 3 (10 with compile)")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled arms")
     p.add_argument("--pretrain", action="store_true", help="also time examples/pretrain_gpt.py")
-    p.add_argument("--arms", default=None, help="comma-separated subset of api,api+compile,plain,plain+compile")
+    p.add_argument("--arms", default=None, help="comma-separated subset of api, plain, fully_shard, each "
+                                                 "with or without +compile")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     s = PRESETS[args.preset or ("1b" if cuda else "tiny")]
-    names = ["api", "plain"] + ([] if args.no_compile or not cuda else ["api+compile", "plain+compile"])
+    names = ["api", "plain", "fully_shard"] + ([] if args.no_compile or not cuda else
+                                               ["api+compile", "plain+compile", "fully_shard+compile"])
     if args.arms:
         names = [n for n in args.arms.split(",") if n]
     single_process_defaults()
@@ -242,7 +272,7 @@ def main():
         g = torch.Generator().manual_seed(dist.get_rank())
         ids = torch.randint(0, s["vocab"], (s["micro_batch"], s["seq"]), generator=g).to(device)
         for name in names:
-            build = _api_arm if name.startswith("api") else _plain_arm
+            build = {"api": _api_arm, "plain": _plain_arm, "fully_shard": _fully_shard_arm}[name.split("+")[0]]
             step = build(s, device, compile_layers=name.endswith("+compile"))
             warmup = args.warmup if args.warmup is not None else (10 if name.endswith("+compile") else 3)
             results[name] = _timed(step, ids, warmup, args.steps)
