@@ -184,6 +184,8 @@ def fully_shard_model(
     use_decoupled_grad: bool = False,
     cuda_graph_mode: bool = False,
     maxpool_double_buffer: bool = False,
+    *,
+    cpu_offload: bool = False,
 ) -> MegatronFSDP:
     """Shard `module` with FSDP2: each outermost instance of a class in `fsdp_unit_modules` is
     a unit (gathered for its own forward and backward), sharded bottom-up, then the root.
@@ -191,7 +193,11 @@ def fully_shard_model(
     FSDP2 as follows: overlap_* (FSDP2 always overlaps: False is refused), average_in_collective
     (either way gradients are the data-parallel mean), calculate_per_token_loss (gradients
     summed, not averaged), preproc_state_dict_for_dcp_ckpt (FSDP2's state dicts are DCP-ready
-    DTensors either way), report_nan_in_param_grad (finish_grad_sync checks)."""
+    DTensors either way), report_nan_in_param_grad (finish_grad_sync checks).
+
+    `cpu_offload` (ours; NVIDIA's 0.6.1 has none): the sharded parameters and gradients live in
+    CPU memory (pinned on CUDA; FSDP2's CPUOffloadPolicy), gathered to the device per unit, so
+    the optimizer's state and step stay on the CPU."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard_model: module must be a torch.nn.Module, got {type(module).__name__}")
     local = dict(locals())
@@ -205,7 +211,7 @@ def fully_shard_model(
                              "compute; only True is supported")
     for name in ("init_model_with_meta_device", "sync_model_each_microbatch", "preproc_state_dict_for_dcp_ckpt",
                  "report_nan_in_param_grad", "average_in_collective", "disable_bucketing",
-                 "calculate_per_token_loss"):
+                 "calculate_per_token_loss", "cpu_offload"):
         if not isinstance(local[name], bool):
             raise TypeError(f"fully_shard: {name} must be True or False, got {local[name]!r}")
     if not isinstance(mixed_precision_policy, MixedPrecisionPolicy):
@@ -270,6 +276,7 @@ def fully_shard_model(
         materialize_on=None,
         copy_kernels=False,
         main_params_dtype=main_dtype if cast else None,
+        cpu_offload=cpu_offload,
     )
     before = list(module.named_parameters())
     apply_fsdp_plan(module, plan)

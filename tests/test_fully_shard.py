@@ -362,3 +362,42 @@ def _case_meta_device_init(hsdp):
 def test_meta_device_init_materializes_shards_and_replicas_agree(pools, hsdp):
     sums = pools(4).run(_case_meta_device_init, hsdp)
     assert all(s == sums[0] for s in sums)  # the same full model on every rank
+
+
+def _case_cpu_offload():
+    result = _case_training_matches_reference("encoder", 3, cpu_offload=True)
+    return result
+
+
+def test_cpu_offload_trains_like_one_process(pools):
+    # On the CPU the offloaded shards stay where they are; what runs is FSDP2's offload path
+    # (its copies to the compute device and back), which must not change training.
+    assert pools(2).run(_case_cpu_offload) == [("optim_grads_params", 1, True)] * 2
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@requires_cuda
+def test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory(tmp_path):
+    import os
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        module = EncoderStack().cuda()
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], cpu_offload=True)
+        x, y = _data("encoder", 0, 0)
+        out = model(x.cuda())
+        assert out.device.type == "cuda"
+        nn.functional.cross_entropy(out, y.cuda()).backward()
+        opt.step()
+        for p in model.module.parameters():
+            assert p.to_local().device.type == "cpu" and p.to_local().is_pinned()
+            assert p.grad is None or p.grad.to_local().device.type == "cpu"
+        assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    finally:
+        dist.destroy_process_group()

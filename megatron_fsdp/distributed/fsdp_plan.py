@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .. import parallel_state
@@ -59,6 +59,8 @@ class FSDPPlan:
     compiled: tuple = ()  # the units torch_compile compiles (TransformerLayers), in forward order
     # The dtype of the sharded (main) weights the optimizer updates; None: the model's own.
     main_params_dtype: Optional[torch.dtype] = None
+    # Sharded parameters and gradients in (pinned, on CUDA) CPU memory, so the optimizer steps there.
+    cpu_offload: bool = False
 
 
 def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterable[type],
@@ -155,12 +157,15 @@ def compile_layers(plan: FSDPPlan) -> None:
 
 def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
     """fully_shard each unit, descendants before ancestors, then the root."""
+    offload = (CPUOffloadPolicy(pin_memory=plan.mesh.device_type == "cuda") if plan.cpu_offload
+               else OffloadPolicy())
     for unit in reversed(plan.units):
         fully_shard(unit, mesh=plan.mesh, reshard_after_forward=plan.reshard_after_forward,
-                    mp_policy=plan.mp_policy)
+                    mp_policy=plan.mp_policy, offload_policy=offload)
     # The root's parameters are needed again as soon as backward starts.
     root_reshard = False if plan.reshard_after_forward is True else plan.reshard_after_forward
-    fully_shard(module, mesh=plan.mesh, reshard_after_forward=root_reshard, mp_policy=plan.mp_policy)
+    fully_shard(module, mesh=plan.mesh, reshard_after_forward=root_reshard, mp_policy=plan.mp_policy,
+                offload_policy=offload)
     if plan.force_sum_reduction:
         # gloo rejects ReduceOp.PREMUL_SUM, which FSDP2 reduces with once a
         # gradient divide factor other than the group size is set
