@@ -401,3 +401,54 @@ def test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_me
         assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
     finally:
         dist.destroy_process_group()
+
+
+class TwoLayerMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _case_tp_x_fsdp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    torch.manual_seed(0)
+    module = TwoLayerMLP()
+    for block in module.blocks:  # Megatron's pattern: column- then row-parallel
+        parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    model, opt = fully_shard(module, opt, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
+                             fsdp_unit_modules=[nn.Sequential])
+    data = lambda step, r: (torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r)),  # noqa: E731
+                            torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(100 * step + r)))
+    for step in range(STEPS):
+        x, y = data(step, dp_rank)  # the same batch on both TP ranks of a data-parallel rank
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    reference = TwoLayerMLP()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        batches = [data(step, r) for r in range(dp)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        nn.functional.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    placements = {p.placements for p in model.module.parameters()}
+    for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(_full(p).detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    return len(next(iter(placements)))  # 2-D (data-parallel, tensor-parallel) parameters
+
+
+def test_tensor_parallel_dtensors_compose_with_fsdp(pools):
+    assert pools(4).run(_case_tp_x_fsdp) == [2] * 4
