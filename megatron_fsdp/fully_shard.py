@@ -24,6 +24,7 @@ sharded model across the outer dimension).
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Optional, Sequence, Type
 
 import torch
@@ -34,7 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as _FSDP2Policy
 from torch.distributed.tensor import DTensor
 
 from ._process_groups import backend_device_type
-from .distributed.fsdp_plan import FSDPPlan, _units, apply_fsdp_plan
+from .distributed.fsdp_plan import FSDPPlan, _materialization_device, _units, apply_fsdp_plan
+from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 
@@ -124,30 +126,18 @@ def _compute_dtype(module: nn.Module) -> Optional[torch.dtype]:
     return next(iter(dtypes), None)
 
 
-def _device_of(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 @torch.no_grad()
-def _materialize(module: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
+def _materialize(module: nn.Module, mesh: DeviceMesh, group: dist.ProcessGroup, device: torch.device) -> None:
     """A meta-device model after sharding: allocate this rank's shards only, then let each
-    submodule initialize its own parameters (`reset_parameters()`, or `_reset_parameters()`
-    as torch's MultiheadAttention has) on them; replicas (HSDP) then take replica 0's values."""
+    submodule initialize its own parameters and buffers (`reset_parameters()`, or
+    `_reset_parameters()` as torch's MultiheadAttention has) on them; replicas (HSDP) then take
+    replica 0's values, and every rank rank 0's buffers."""
     module.to_empty(device=device)
     for sub in module.modules():
         reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
         if callable(reset):
             reset()
-    missing = [name for name, p in module.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise RuntimeError(f"fully_shard: parameters still on the meta device after materialization: {missing[:5]}")
-    if mesh.ndim == 2:
-        replicate = mesh.get_group(0)
-        src = dist.get_global_rank(replicate, 0)
-        for p in module.parameters():
-            dist.broadcast(p.to_local(), src=src, group=replicate)
+    broadcast_fsdp_params(module, mesh, group)
 
 
 def fully_shard_model(
@@ -281,7 +271,7 @@ def fully_shard_model(
     before = list(module.named_parameters())
     apply_fsdp_plan(module, plan)
     if on_meta:
-        _materialize(module, mesh, torch.device(device) if device is not None else _device_of(mesh))
+        _materialize(module, mesh, group, torch.device(device) if device is not None else _materialization_device(mesh))
     for name, param in before:  # for fully_shard_optimizer: each parameter's sharded successor
         param._megatron_fsdp_sharded = module.get_parameter(name)
     if calculate_per_token_loss:
@@ -354,9 +344,11 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
     return optimizer
 
 
-def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> tuple[MegatronFSDP,
-                                                                                        torch.optim.Optimizer]:
-    """`fully_shard_model(module, **kwargs)` and `fully_shard_optimizer(optimizer)`: returns both."""
+def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, *args,
+                **kwargs) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    """`fully_shard_model(module, *args, **kwargs)` (NVIDIA's arguments, in NVIDIA's order after
+    `optimizer`) and `fully_shard_optimizer(optimizer)`: returns both."""
+    bound = inspect.signature(fully_shard_model).bind(module, *args, **kwargs)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     own = {id(p) for p in module.parameters()}
@@ -366,7 +358,7 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -
     if optimizer.state:
         raise ValueError("fully_shard: the optimizer has state already (it has stepped): build it on the model's "
                          "parameters and shard both before the first step")
-    model = fully_shard_model(module, **kwargs)
+    model = fully_shard_model(module, *args, **kwargs)
     optimizer = fully_shard_optimizer(
-        optimizer, preproc_state_dict_for_dcp_ckpt=kwargs.get("preproc_state_dict_for_dcp_ckpt", True))
+        optimizer, preproc_state_dict_for_dcp_ckpt=bound.arguments.get("preproc_state_dict_for_dcp_ckpt", True))
     return model, optimizer

@@ -37,10 +37,14 @@ class MegatronFSDP(_BaseDataParallel):
         self.report_nan_in_param_grad = report_nan_in_param_grad
         self.model_auto_sync = sync_model_each_microbatch
         self.is_last_microbatch = False
+        self._requires_gradient_sync = True  # FSDP2's default
 
     def forward(self, *inputs, **kwargs):
         if torch.is_grad_enabled():
-            self.module.set_requires_gradient_sync(self.model_auto_sync or self.is_last_microbatch)
+            sync = self.model_auto_sync or self.is_last_microbatch
+            if sync != self._requires_gradient_sync:  # a walk over every unit: only on a change
+                self.module.set_requires_gradient_sync(sync)
+                self._requires_gradient_sync = sync
         return self.module(*inputs, **kwargs)
 
     def set_model_auto_sync(self, sync_model: bool = True) -> None:

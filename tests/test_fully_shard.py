@@ -452,3 +452,13 @@ def _case_tp_x_fsdp():
 
 def test_tensor_parallel_dtensors_compose_with_fsdp(pools):
     assert pools(4).run(_case_tp_x_fsdp) == [2] * 4
+
+
+def test_fully_shard_takes_nvidias_arguments_by_position_too():
+    model = SmallCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # device_mesh ... fsdp_unit_modules (10 of them), then zero_dp_strategy: checked before anything runs.
+    with pytest.raises(ValueError, match="zero_dp_strategy=4: choose one of"):
+        fully_shard(model, opt, None, None, None, None, None, None, None, None, None, None, 4)
+    with pytest.raises(TypeError):
+        fully_shard(model, opt, no_such_argument=1)
