@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .distributed.data_parallel_base import _BaseDataParallel
-from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params, drop_unsharded_grads
+from .distributed.torch_fully_sharded_data_parallel import (broadcast_fsdp_params, drop_unsharded_grads,
+                                                            load_fsdp_state_dict)
 
 
 class MegatronFSDP(_BaseDataParallel):
@@ -93,6 +94,11 @@ class MegatronFSDP(_BaseDataParallel):
         """Drop every gradient, the unsharded ones accumulated without synchronization included."""
         super().zero_grad_buffer()
         drop_unsharded_grads(self.module)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load in place: DTensors sharded like the model's (a DCP load), or full tensors (a
+        plain model's state dict: each rank keeps its shard)."""
+        return load_fsdp_state_dict(self.module, state_dict, strict)
 
     def broadcast_params(self) -> None:
         """Make every data-parallel replica hold rank 0's parameters and buffers."""

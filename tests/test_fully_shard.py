@@ -462,3 +462,18 @@ def test_fully_shard_takes_nvidias_arguments_by_position_too():
         fully_shard(model, opt, None, None, None, None, None, None, None, None, None, None, 4)
     with pytest.raises(TypeError):
         fully_shard(model, opt, no_such_argument=1)
+
+
+def _case_full_state_dict_loads_into_shards():
+    torch.manual_seed(0)
+    model = fully_shard_model(EncoderStack(), fsdp_unit_modules=[nn.TransformerEncoderLayer])
+    torch.manual_seed(7)
+    plain = EncoderStack()  # other weights, unsharded
+    model.load_state_dict(plain.state_dict())
+    for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
+        assert torch.equal(_full(p).detach(), q.detach()), name
+    return model.module.layers[0].linear1.weight.to_local().shape[0]
+
+
+def test_a_plain_models_full_state_dict_loads_into_the_shards(pools):
+    assert pools(2).run(_case_full_state_dict_loads_into_shards) == [16, 16]  # 32 rows, half each

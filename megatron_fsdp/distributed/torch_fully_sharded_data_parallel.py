@@ -59,6 +59,16 @@ def broadcast_fsdp_params(module: nn.Module, mesh, group: dist.ProcessGroup) -> 
         hook()
 
 
+def load_fsdp_state_dict(module: nn.Module, state_dict, strict: bool = True):
+    """Load into a fully_shard module's parameters in place: DTensors sharded like them, or full
+    tensors (each rank keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = not any(isinstance(v, DTensor) for v in state_dict.values())
+    # A copy: torch replaces full tensors in the dict it is given by their shards.
+    return set_model_state_dict(module, dict(state_dict), options=StateDictOptions(full_state_dict=full, strict=strict))
+
+
 class TorchFullyShardedDataParallel(_BaseDataParallel):
     """Shards `module` with FSDP2 over the data-parallel group.
 
@@ -201,10 +211,4 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         sharded like the model's, or full tensors (each rank keeps its shard).
         State derived from the weights follows through the model's own
         load_state_dict post-hooks (the fp8 converter's scales)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        full = not any(isinstance(v, DTensor) for v in state_dict.values())
-        # A copy: torch replaces full tensors in the dict it is given by their shards.
-        result = set_model_state_dict(self.module, dict(state_dict),
-                                      options=StateDictOptions(full_state_dict=full, strict=strict))
-        return result
+        return load_fsdp_state_dict(self.module, state_dict, strict)
