@@ -225,10 +225,13 @@ def fully_shard_model(
         raise RuntimeError("fully_shard: torch.distributed is not initialized (call init_process_group first)")
     _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group)
     device_type = backend_device_type(dist.get_backend())
-    if strategy == "no_shard" and device_mesh is not None and (
-            dp_outer_dim is not None or device_mesh[dp_shard_dim].size() != dist.get_world_size()):
-        raise NotImplementedError("fully_shard: zero_dp_strategy 0 / 'no_shard' is supported with a data-parallel "
-                                  "dimension over every rank (no HSDP, no tensor parallelism) for now")
+    if strategy == "no_shard" and device_mesh is not None:
+        dp_ranks = device_mesh[dp_shard_dim].size() * (device_mesh[dp_outer_dim].size() if dp_outer_dim else 1)
+        if dp_ranks != dist.get_world_size():
+            raise NotImplementedError(
+                f"fully_shard: zero_dp_strategy 0 / 'no_shard' replicates over every rank; the device_mesh's "
+                f"data-parallel dimensions hold {dp_ranks} of {dist.get_world_size()} (tensor parallelism with "
+                "no_shard is not supported yet)")
     if any(isinstance(p, DTensor) for p in module.parameters()) and (device_mesh is None or tp_dim is None):
         raise ValueError("fully_shard: the module holds DTensor (tensor-parallel) parameters: pass the device_mesh "
                          "they live on, with tp_dim and dp_shard_dim")

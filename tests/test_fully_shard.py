@@ -121,6 +121,18 @@ def test_hsdp_replicates_the_sharded_model_across_the_outer_dimension(pools):
     assert pools(4).run(_case_hsdp, "encoder") == [("optim_grads_params", 2, True)] * 4
 
 
+def _case_no_shard_on_an_hsdp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "shard"))
+    return _case_training_matches_reference("cnn", "no_shard", device_mesh=mesh, dp_shard_dim="shard",
+                                            dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD)
+
+
+def test_no_shard_on_an_hsdp_mesh_replicates_over_both_dimensions(pools):
+    assert pools(4).run(_case_no_shard_on_an_hsdp_mesh) == [("no_shard", 2, False)] * 4
+
+
 def _case_accumulation_syncs_once():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -477,3 +489,16 @@ def _case_full_state_dict_loads_into_shards():
 
 def test_a_plain_models_full_state_dict_loads_into_the_shards(pools):
     assert pools(2).run(_case_full_state_dict_loads_into_shards) == [16, 16]  # 32 rows, half each
+
+
+def _case_no_shard_with_tensor_parallelism():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    fully_shard_model(SmallCNN(), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", zero_dp_strategy=0)
+
+
+def test_no_shard_with_tensor_parallelism_is_refused_on_every_rank(pools):
+    errors = pools(4).run_expecting_errors(_case_no_shard_with_tensor_parallelism)
+    assert all(e.type_name == "NotImplementedError" and "data-parallel dimensions hold 2 of 4" in e.message
+               for e in errors), errors
