@@ -77,6 +77,19 @@ class MegatronFSDP(_BaseDataParallel):
     def start_grad_sync(self, *unused) -> None:
         """No-op: FSDP2 launches each unit's reduction during backward."""
 
+    def synchronize_gradient_reduce(self) -> None:
+        """No-op: FSDP2 waits for every reduction at the end of backward."""
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """No-op: FSDP2 gathers each unit's parameters in its pre-forward hook (prefetching the next)."""
+
+    def synchronize_param_gather(self) -> None:
+        """No-op: FSDP2 waits for a unit's gather before its forward runs."""
+
+    def install_optimized_model_weights(self) -> None:
+        """No-op: the sharded parameters the optimizer updates are the ones FSDP2 gathers (they are
+        the main weights), so there is nothing to copy after `optimizer.step()`."""
+
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
         """FSDP2 waits for its reductions at the end of backward; with report_nan_in_param_grad,
         raises on every rank naming the parameters whose gradient holds a NaN."""
