@@ -93,8 +93,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"
     echo "[env] could not install $required(no network? install them, then rerun)" >&2
     exit 1
   fi
-  # tokenizers and tensorboard are optional at run time; the tests exercise both.
-  optional="$(missing tokenizers tensorboard | tr '\n' ' ')"
+  # tokenizers and tensorboard are optional at run time; the tests exercise both, and
+  # transformers is the reference of the Hugging Face interchange tests (never a run-time need).
+  optional="$(missing tokenizers tensorboard transformers | tr '\n' ' ')"
   if [ -n "$optional" ] && ! "$PY" -m pip install -q $optional; then
     [ "$system" = 1 ] || exit 1
     echo "[env] warning: could not install $optional(the tests that need them skip)" >&2
