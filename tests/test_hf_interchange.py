@@ -12,6 +12,11 @@ transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_theta=50000.0)),
+    # Llama 3.1's RoPE scaling; a context short enough that every frequency band is hit.
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_key_value_heads=2, max_position_embeddings=16384, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192))),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True,
                                                       use_sliding_window=False)),
@@ -20,9 +25,9 @@ CONFIGS = {
 
 def _hf_model(name):
     config_cls, model_cls, extra = CONFIGS[name]
-    config = getattr(transformers, config_cls)(
-        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, rms_norm_eps=1e-6, **extra)
+    fields = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, rms_norm_eps=1e-6)
+    config = getattr(transformers, config_cls)(**{**fields, **extra})
     config.architectures = [model_cls]
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
@@ -46,10 +51,12 @@ def _case_logits_match(name):
     state = hf_to_megatron_fsdp(hf_model.state_dict(), hf)
     missing, unexpected = ours.load_state_dict(state, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
-    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    # Long enough for every RoPE frequency band to turn (Llama 3.1's scaling changes the slow ones).
+    seq = 2048 if name == "llama3" else 16
+    ids = torch.randint(0, 100, (2, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf_model(ids).logits
-        got = ours(ids, torch.arange(16).expand(2, -1), attention_mask=None)
+        got = ours(ids, torch.arange(seq).expand(2, -1), attention_mask=None)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
     back = megatron_fsdp_to_hf(state, hf)
     reference = hf_model.state_dict()
@@ -62,6 +69,22 @@ def _case_logits_match(name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_converted_models_give_the_hf_logits_and_convert_back_exactly(pools, name):
     pools(1).run(_case_logits_match, name)
+
+
+def test_llama3_rope_frequencies_are_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_fsdp.models.common.embeddings.rotary_pos_embedding import llama3_frequency_scaling
+
+    _, hf = _hf_model("llama3")
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig(**hf), torch.device("cpu"))
+    _, kwargs = gpt_arguments(hf)
+    d = hf["hidden_size"] // hf["num_attention_heads"]
+    plain = 1.0 / (kwargs["rotary_base"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    assert kwargs["rope_scaling"] and kwargs["rope_scaling_factor"] == 8.0
+    torch.testing.assert_close(llama3_frequency_scaling(plain, kwargs["rope_scaling_factor"]), expected.float(),
+                               rtol=1e-6, atol=0)
+    assert not torch.allclose(plain, expected.float(), rtol=1e-3)  # the scaling changes some frequencies
 
 
 def test_rope_theta_is_read_from_either_config_form():
@@ -83,9 +106,11 @@ def test_padded_vocabulary_rows_are_added_on_import_and_dropped_on_export():
 
 @pytest.mark.parametrize("change, error, message", [
     (dict(architectures=["GPTNeoXForCausalLM"]), ValueError, r"architectures \['GPTNeoXForCausalLM'\]: supported are"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), NotImplementedError, "rope_scaling=.* not supported"),
-    (dict(rope_scaling=None, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
-     NotImplementedError, "rope_scaling=.*llama3.* not supported"),  # transformers 5's form
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), NotImplementedError, "rope_scaling=.*yarn.* not supported"),
+    (dict(rope_scaling=None, rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
+                                              "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192}),
+     NotImplementedError, "rope_scaling=.*'low_freq_factor': 2.0.* not supported"),  # transformers 5's form
     (dict(sliding_window=4096, use_sliding_window=True), NotImplementedError, "sliding_window=4096"),
     (dict(hidden_act="gelu"), ValueError, "hidden_act='gelu': only SwiGLU"),
     (dict(head_dim=32), NotImplementedError, "head_dim=32 with 4 heads"),

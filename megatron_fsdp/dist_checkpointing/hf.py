@@ -18,7 +18,8 @@ checkpoint tool builds on it):
   lm_head.weight                            output_layer.weight (absent when tied)
 
 Rotary embeddings need no permutation: HF's `rotate_half` and Megatron's non-interleaved RoPE
-rotate the same halves of each head. What we cannot represent is refused by name.
+rotate the same halves of each head; Llama 3.1's "llama3" scaling maps to `rope_scaling`. What
+we cannot represent is refused by name.
 """
 
 from __future__ import annotations
@@ -42,6 +43,23 @@ def _rope(hf: Mapping) -> tuple[float, Mapping | None]:
     return float(theta), scaling
 
 
+# Llama 3.1's RoPE scaling as Megatron-Core parameterizes it: only the factor varies.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_scaling_factor(hf: Mapping) -> float | None:
+    """The Llama-3.1 scaling factor of a config.json (None: plain RoPE); raises for others."""
+    _, scaling = _rope(hf)
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    fixed = {k: scaling.get(k) for k in _LLAMA3_FIXED}
+    if kind != "llama3" or any(fixed[k] is None or float(fixed[k]) != v for k, v in _LLAMA3_FIXED.items()):
+        raise NotImplementedError(f"rope_scaling={dict(scaling)!r} is not supported: Llama-3.1's 'llama3' scaling "
+                                  f"with {_LLAMA3_FIXED} (any factor) is")
+    return float(scaling["factor"])
+
+
 def check_hf_config(hf: Mapping) -> None:
     """Raise for a config.json whose model megatron_fsdp cannot represent, naming what."""
     archs = hf.get("architectures") or []
@@ -49,9 +67,7 @@ def check_hf_config(hf: Mapping) -> None:
         raise ValueError(f"Hugging Face architectures {archs}: supported are {', '.join(ARCHITECTURES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r}: only SwiGLU ('silu') is supported")
-    _, scaling = _rope(hf)
-    if scaling is not None:
-        raise NotImplementedError(f"rope_scaling={scaling!r} is not supported yet (plain RoPE with rope_theta only)")
+    _rope_scaling_factor(hf)
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
         raise NotImplementedError(f"sliding_window={hf['sliding_window']} (sliding-window attention) is not supported")
     if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
@@ -75,8 +91,10 @@ def gpt_arguments(hf: Mapping) -> tuple[dict, dict]:
         normalization="RMSNorm",
         layernorm_epsilon=hf.get("rms_norm_eps", 1e-6), add_bias_linear=False, add_qkv_bias=qwen2,
         hidden_dropout=0.0, attention_dropout=0.0)
+    factor = _rope_scaling_factor(hf)
     model = dict(vocab_size=hf["vocab_size"], max_sequence_length=hf.get("max_position_embeddings", 4096),
-                 position_embedding_type="rope", rotary_base=int(_rope(hf)[0]),
+                 position_embedding_type="rope", rotary_base=int(_rope(hf)[0]), rope_scaling=factor is not None,
+                 rope_scaling_factor=factor or 8.0,
                  share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)))
     return config, model
 

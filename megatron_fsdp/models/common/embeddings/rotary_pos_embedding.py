@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .... import parallel_state
+
+
+def llama3_frequency_scaling(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
+                             high_freq_factor: float = 4.0, original_context: int = 8192) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (Megatron-Core's `rope_scaling`, with its fixed low/high frequency
+    factors and original context): wavelengths longer than original_context / low_freq_factor
+    are stretched by `factor`, those shorter than original_context / high_freq_factor kept, and
+    those between blended linearly in original_context / wavelength."""
+    wavelength = 2 * math.pi / inv_freq
+    long_wavelengths = original_context / low_freq_factor
+    short_wavelengths = original_context / high_freq_factor
+    blend = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    scaled = torch.where(wavelength > long_wavelengths, inv_freq / factor, inv_freq)
+    middle = (wavelength >= short_wavelengths) & (wavelength <= long_wavelengths)
+    return torch.where(middle, blended, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -20,8 +37,6 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if rotary_interleaved:
             raise NotImplementedError("rotary_interleaved=True is not supported")
-        if rope_scaling:
-            raise NotImplementedError("rope_scaling=True (Llama-3.1 frequency scaling) is not supported")
         if cp_group is not None:
             raise NotImplementedError("context parallelism (cp_group) is not supported")
         if not 0.0 < rotary_percent <= 1.0:
@@ -34,12 +49,16 @@ class RotaryEmbedding(nn.Module):
         self.dim = dim
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.rotary_base = rotary_base
+        self.rope_scaling_factor = rope_scaling_factor if rope_scaling else None
         device = None if torch.empty(0).device.type == "meta" else parallel_state.get_device()
         self.register_buffer("inv_freq", self._inverse_frequencies(device), persistent=False)
 
     def _inverse_frequencies(self, device) -> torch.Tensor:
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim
-        return 1.0 / (self.rotary_base ** exponents)
+        inv_freq = 1.0 / (self.rotary_base ** exponents)
+        if self.rope_scaling_factor is not None:
+            inv_freq = llama3_frequency_scaling(inv_freq, self.rope_scaling_factor)
+        return inv_freq
 
     def reset_buffers(self) -> None:
         """Recompute the frequencies (after materializing a meta-device model)."""
