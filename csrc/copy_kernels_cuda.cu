@@ -156,27 +156,17 @@ PlanCacheStats cuda_plan_cache_stats() { return device_plan_cache().stats(); }
 void clear_cuda_plan_cache() { device_plan_cache().clear(); }
 
 void pack_into_cuda(at::TensorList inputs, const at::Tensor& out) {
-  PlanKey key(CopyOp::kPackInto);
-  key.add(inputs);
-  key.add(out);
-  run_on_device(std::move(key), out, [&](bool use_kernel) { return plan_pack_into(inputs, out, use_kernel); });
+  run_on_device(pack_into_key(inputs, out), out,
+                [&](bool use_kernel) { return plan_pack_into(inputs, out, use_kernel); });
 }
 
 void split_copy_out_cuda(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
-  PlanKey key(CopyOp::kSplitCopyOut);
-  key.add(src);
-  key.add(split_sizes);
-  key.add(out);
-  run_on_device(std::move(key), src,
+  run_on_device(split_copy_out_key(src, split_sizes, out), src,
                 [&](bool use_kernel) { return plan_split_copy_out(src, split_sizes, out, use_kernel); });
 }
 
 void chunk_cat_cuda(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
-  PlanKey key(CopyOp::kChunkCat);
-  key.add(tensors);
-  key.add(num_chunks);
-  key.add(out);
-  run_on_device(std::move(key), out,
+  run_on_device(chunk_cat_key(tensors, num_chunks, out), out,
                 [&](bool use_kernel) { return plan_chunk_cat(tensors, num_chunks, out, use_kernel); });
 }
 

@@ -221,28 +221,18 @@ void clear_copy_plan_caches() {
 
 void pack_into_emulated(at::TensorList inputs, const at::Tensor& out) {
   require_cpu(out, "pack_into");
-  PlanKey key(CopyOp::kPackInto);
-  key.add(inputs);
-  key.add(out);
-  run_cached_on_host(std::move(key), [&] { return plan_pack_into(inputs, out); });
+  run_cached_on_host(pack_into_key(inputs, out), [&] { return plan_pack_into(inputs, out); });
 }
 
 void split_copy_out_emulated(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
   require_cpu(src, "split_copy_out");
-  PlanKey key(CopyOp::kSplitCopyOut);
-  key.add(src);
-  key.add(split_sizes);
-  key.add(out);
-  run_cached_on_host(std::move(key), [&] { return plan_split_copy_out(src, split_sizes, out); });
+  run_cached_on_host(split_copy_out_key(src, split_sizes, out),
+                     [&] { return plan_split_copy_out(src, split_sizes, out); });
 }
 
 void chunk_cat_emulated(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
   require_cpu(out, "chunk_cat");
-  PlanKey key(CopyOp::kChunkCat);
-  key.add(tensors);
-  key.add(num_chunks);
-  key.add(out);
-  run_cached_on_host(std::move(key), [&] { return plan_chunk_cat(tensors, num_chunks, out); });
+  run_cached_on_host(chunk_cat_key(tensors, num_chunks, out), [&] { return plan_chunk_cat(tensors, num_chunks, out); });
 }
 
 }  // namespace megatron_fsdp

@@ -60,6 +60,30 @@ class PlanKey {
   uint64_t hash_ = 14695981039346656037ULL;
 };
 
+// The keys of the three ops' plans: the same for the CUDA ops and their host emulation.
+inline PlanKey pack_into_key(at::TensorList inputs, const at::Tensor& out) {
+  PlanKey key(CopyOp::kPackInto);
+  key.add(inputs);
+  key.add(out);
+  return key;
+}
+
+inline PlanKey split_copy_out_key(const at::Tensor& src, at::IntArrayRef split_sizes, at::TensorList out) {
+  PlanKey key(CopyOp::kSplitCopyOut);
+  key.add(src);
+  key.add(split_sizes);
+  key.add(out);
+  return key;
+}
+
+inline PlanKey chunk_cat_key(at::TensorList tensors, int64_t num_chunks, const at::Tensor& out) {
+  PlanKey key(CopyOp::kChunkCat);
+  key.add(tensors);
+  key.add(num_chunks);
+  key.add(out);
+  return key;
+}
+
 struct PlanCacheStats {
   int64_t hits = 0;
   int64_t misses = 0;

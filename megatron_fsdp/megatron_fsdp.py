@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .distributed.data_parallel_base import _BaseDataParallel
+from .distributed.fsdp_plan import _materialization_device
 from .distributed.torch_fully_sharded_data_parallel import (broadcast_fsdp_params, drop_unsharded_grads,
-                                                            load_fsdp_state_dict)
+                                                            load_fsdp_state_dict, raise_on_bad_grads)
 
 
 class MegatronFSDP(_BaseDataParallel):
@@ -94,14 +95,8 @@ class MegatronFSDP(_BaseDataParallel):
         """FSDP2 waits for its reductions at the end of backward; with report_nan_in_param_grad,
         raises on every rank naming the parameters whose gradient holds a NaN."""
         if self.report_nan_in_param_grad:
-            local = [(name, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-                     for name, p in self.module.named_parameters() if p.grad is not None]
-            bad = [name for name, g in local if torch.isnan(g).any()]
-            flag = torch.tensor([float(bool(bad))], device=self.device_mesh.device_type)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            if flag.item():
-                where = f"this rank's shards of {bad[:5]}" if bad else "shards held by other ranks"
-                raise RuntimeError(f"rank {dist.get_rank()}: NaN in the gradient of {where}")
+            raise_on_bad_grads(self.module, device=_materialization_device(self.device_mesh),
+                               group=self.process_group, nan_only=True)
 
     def zero_grad_buffer(self) -> None:
         """Drop every gradient, the unsharded ones accumulated without synchronization included."""

@@ -75,11 +75,12 @@ def gather_to_rank0(value: Any) -> Optional[list]:
 
 
 def non_finite_ranks(loss: Optional[torch.Tensor] = None, grads=None, *, device: Optional[torch.device] = None,
-                     group: Optional[dist.ProcessGroup] = None) -> tuple[list[int], list[int]]:
+                     group: Optional[dist.ProcessGroup] = None, nan_only: bool = False) -> tuple[list[int], list[int]]:
     """(global ranks whose loss is not finite, ranks holding a non-finite
     gradient), the same on every rank of `group`, with one all-reduce for
     both and one read of its result (the step's only wait for the device
-    here). `grads` are this rank's local shards (DTensors are read locally)."""
+    here). `grads` are this rank's local shards (DTensors are read locally).
+    `nan_only`: a gradient counts only for a NaN, not for an infinity."""
     grads = [(g.to_local() if hasattr(g, "to_local") else g).detach() for g in (grads or ())]
     if device is None:
         device = loss.device if loss is not None else (grads[0].device if grads else None)
@@ -92,7 +93,8 @@ def non_finite_ranks(loss: Optional[torch.Tensor] = None, grads=None, *, device:
     if grads:
         # The inf-norm is each tensor's max |x|: inf if any element is, NaN if any is.
         norms = torch.stack(_torch_compat.foreach_norm(grads, float("inf")))
-        flags[1, rank] = (~torch.isfinite(norms)).any().to(device=flags.device, dtype=flags.dtype)
+        bad = torch.isnan(norms) if nan_only else ~torch.isfinite(norms)
+        flags[1, rank] = bad.any().to(device=flags.device, dtype=flags.dtype)
     if distributed:
         dist.all_reduce(flags, group=group)
     to_global = (lambda r: dist.get_global_rank(group, r)) if distributed and group is not None else (lambda r: r)

@@ -29,6 +29,8 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
+from ..models.gpt.megatron_layout import fc1_from_megatron, fc1_to_megatron
+
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -147,7 +149,7 @@ def hf_to_megatron_fsdp(hf_state: Mapping[str, torch.Tensor], hf: Mapping,
         out[dst + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
         gate, up = hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.stack((gate, up), dim=1).flatten(0, 1)
+        out[dst + "mlp.linear_fc1.weight"] = fc1_from_megatron(torch.cat((gate, up)), 1)  # Megatron's TP=1 [gate; up]
         out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
     return out
 
@@ -171,7 +173,7 @@ def megatron_fsdp_to_hf(state: Mapping[str, torch.Tensor], hf: Mapping) -> dict[
                 out[f"{dst}self_attn.{name}.bias"] = t
         out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
         out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
-        fc1 = state[src + "mlp.linear_fc1.weight"]
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = fc1[0::2], fc1[1::2]
+        gate, up = fc1_to_megatron(state[src + "mlp.linear_fc1.weight"], 1).chunk(2)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
         out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
     return {k: v.contiguous() for k, v in out.items()}

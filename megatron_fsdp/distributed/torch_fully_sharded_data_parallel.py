@@ -59,6 +59,25 @@ def broadcast_fsdp_params(module: nn.Module, mesh, group: dist.ProcessGroup) -> 
         hook()
 
 
+def raise_on_bad_grads(module: nn.Module, *, device: torch.device, group: Optional[dist.ProcessGroup] = None,
+                       nan_only: bool = False) -> None:
+    """Raise on every rank of `group` when any rank's gradient shards hold a NaN or an Inf
+    (`nan_only`: a NaN). Each rank holds different shards, so the ranks agree on the verdict
+    first: one fused check and one all-reduce; the names are looked up only when something is
+    wrong."""
+    named = [(name, p.grad) for name, p in module.named_parameters() if p.grad is not None]
+    _, bad_ranks = non_finite_ranks(grads=[g for _, g in named], device=device, group=group, nan_only=nan_only)
+    if bad_ranks:
+        def bad(g):
+            local = g.to_local() if isinstance(g, DTensor) else g
+            return bool(torch.isnan(local).any()) if nan_only else not bool(torch.isfinite(local).all())
+
+        names = [name for name, g in named if bad(g)]
+        where = f"this rank's shards of {names[:5]}" if names else "shards held by other ranks"
+        what = "NaN in the gradient of" if nan_only else "non-finite gradient (NaN or Inf) in"
+        raise RuntimeError(f"rank {dist.get_rank()}: {what} {where}")
+
+
 def load_fsdp_state_dict(module: nn.Module, state_dict, strict: bool = True):
     """Load into a fully_shard module's parameters in place: DTensors sharded like them, or full
     tensors (each rank keeps its shard)."""
@@ -187,19 +206,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
                 "microbatch's forward and backward outside no_sync(), as Megatron's schedules do"
             )
         if self.ddp_config.check_for_nan_in_grad:
-            self._check_grads_finite()
-
-    def _check_grads_finite(self) -> None:
-        # Each rank holds different shards: agree on the verdict so that every
-        # rank raises, not only the one holding the bad shard. One fused check and
-        # one all-reduce; the names are looked up only when something is wrong.
-        named = [(name, p.grad) for name, p in self.module.named_parameters() if p.grad is not None]
-        _, bad_ranks = non_finite_ranks(grads=[g for _, g in named], device=parallel_state.get_device_or_cpu())
-        if bad_ranks:
-            bad = [name for name, g in named
-                   if not torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all()]
-            where = f"this rank's shards of {bad[:5]}" if bad else "shards held by other ranks"
-            raise RuntimeError(f"rank {dist.get_rank()}: non-finite gradient (NaN or Inf) in {where}")
+            raise_on_bad_grads(self.module, device=parallel_state.get_device_or_cpu())
 
     def broadcast_params(self) -> None:
         """Each shard has one owner per replica: broadcast shards across HSDP
