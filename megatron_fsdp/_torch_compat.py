@@ -53,6 +53,7 @@ PRIVATE_NAMES = {
     "torch.distributed.tensor.debug:_clear_sharding_prop_cache": ALL,
     "torch:Tensor._make_wrapper_subclass": ALL,
     "torch:Tensor._version": ALL,
+    "torch.nn:MultiheadAttention._reset_parameters": ALL,
     "torch._C:_disabled_torch_function_impl": ALL,
     "torch.utils._pytree:tree_map_only": ALL,
     "torch.utils._pytree:tree_leaves": ALL,
@@ -288,6 +289,14 @@ def make_wrapper_subclass(cls, shape, **kwargs):
     """`torch.Tensor._make_wrapper_subclass`: how every wrapper subclass (torchao's,
     DTensor) is made; there is no public spelling."""
     return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
+
+
+def parameter_initializer(module: nn.Module):
+    """The method that initializes `module`'s own parameters, or None: `reset_parameters()`, or
+    `_reset_parameters()` as torch's MultiheadAttention names it (NVIDIA Megatron-FSDP's
+    convention for meta-device initialization accepts both)."""
+    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    return reset if callable(reset) else None
 
 
 def version_counter(t: torch.Tensor) -> int:

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as _FSDP2Policy
 from torch.distributed.tensor import DTensor
 
+from . import _torch_compat
 from ._process_groups import backend_device_type
 from .distributed.fsdp_plan import FSDPPlan, _materialization_device, _units, apply_fsdp_plan
 from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params
@@ -134,8 +135,8 @@ def _materialize(module: nn.Module, mesh: DeviceMesh, group: dist.ProcessGroup, 
     replica 0's values, and every rank rank 0's buffers."""
     module.to_empty(device=device)
     for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
-        if callable(reset):
+        reset = _torch_compat.parameter_initializer(sub)
+        if reset is not None:
             reset()
     broadcast_fsdp_params(module, mesh, group)
 
