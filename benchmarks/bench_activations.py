@@ -87,8 +87,8 @@ def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, d
                 if how == "unfused":
                     y = fc1_out + fc1_bias if fc1_bias is not None else fc1_out
                     if kind == "swiglu":
-                        pairs = y.unflatten(-1, (-1, 2))
-                        out = F.silu(pairs[..., 0]) * pairs[..., 1]
+                        gate, up = y.chunk(2, dim=-1)
+                        out = F.silu(gate) * up
                     else:
                         out = F.gelu(y)
                 else:

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import _torch_compat
+from . import _torch_compat, parallel_state
+from .tensor_parallel import partition_stride
 from .tensor_parallel.utils import init_full_tensor, recorded_inits
 from .utils import broadcast_from_rank0
 
@@ -102,6 +103,7 @@ def fill_normal_slice(param: torch.Tensor, std: float, seed: int, name: str) -> 
         return
     stream = _stream(seed, name)
     shape, full = tuple(local.shape), tuple(param.shape)
+    stride, tp = partition_stride.stride_of(param), parallel_state.get_tensor_model_parallel_world_size()
     strides = [math.prod(full[d + 1:]) for d in range(len(full))]
     device = local.device
     # The index of each element of one local row: sum over dims 1.. of (offset + position) * stride.
@@ -117,7 +119,10 @@ def fill_normal_slice(param: torch.Tensor, std: float, seed: int, name: str) -> 
     rows_per_block = max(1, _BLOCK // inner.shape[1])
     for start in range(0, shape[0], rows_per_block):
         stop = min(start + rows_per_block, shape[0])
-        rows = (torch.arange(start, stop, device=device) + offsets[0]) * strides[0]
+        rows = torch.arange(start, stop, device=device) + offsets[0]
+        if stride != 1:  # the DTensor's rows are the ranks' strided parts: index the full tensor's
+            rows = partition_stride.full_rows(rows, full[0], stride, tp)
+        rows = rows * strides[0]
         rows_view[start:stop].copy_(counter_normal(stream, rows.unsqueeze(1) + inner) * std)
     if not direct:
         local.copy_(target)
@@ -126,6 +131,8 @@ def fill_normal_slice(param: torch.Tensor, std: float, seed: int, name: str) -> 
 @torch.no_grad()
 def _write_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Each rank keeps its part of the full tensor `full`."""
+    full = partition_stride.to_blocks(full, partition_stride.stride_of(param),
+                                      parallel_state.get_tensor_model_parallel_world_size())
     if isinstance(param, DTensor):
         full = full.to(param.device_mesh.device_type)
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

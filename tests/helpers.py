@@ -29,12 +29,24 @@ def make_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def full_tensor(t: torch.Tensor, stride: int = 1) -> torch.Tensor:
+    """The full value of a parameter (or its gradient) of partition_stride `stride`: with
+    stride s > 1 (a gated fc1) each TP rank's block holds s row slices ([gate_r; up_r]),
+    and the full tensor is every rank's first slice, then every rank's second ([gate; up])."""
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if stride == 1 or tp == 1:
+        return full
+    blocks = [block.chunk(stride) for block in full.chunk(tp)]
+    return torch.cat([blocks[r][k] for k in range(stride) for r in range(tp)])
+
+
+def _stride(p: torch.Tensor) -> int:
+    return getattr(p, "partition_stride", 1)
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: full_tensor(p.detach()).clone() for name, p in model.named_parameters()}
+    return {name: full_tensor(p.detach(), _stride(p)).clone() for name, p in model.named_parameters()}
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,7 +56,7 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     tp_group = parallel_state.get_tensor_model_parallel_group()
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} has no gradient"
-        g = full_tensor(p.grad)
+        g = full_tensor(p.grad, _stride(p))
         if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements):
             local = g.to_local() if isinstance(g, DTensor) else g
             gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]

@@ -70,7 +70,8 @@ def attention(x, params, prefix, cfg, rope_dim=None, rope_base=10000, attention_
 def mlp(x, params, prefix, cfg):
     h = _linear(x, params, prefix + ".linear_fc1")
     if cfg.gated_linear_unit:
-        h = cfg.activation_func(h[..., 0::2]) * h[..., 1::2]
+        gate, up = h.chunk(2, dim=-1)  # fc1's full weight is [gate; up]
+        h = cfg.activation_func(gate) * up
     else:
         h = cfg.activation_func(h)
     return _linear(h, params, prefix + ".linear_fc2")

@@ -93,7 +93,7 @@ def test_one_dcp_dict_holds_every_entry(tmp_path):
     assert all(isinstance(saved[name], BytesStorageMetadata) for name in own)
     assert any(k.startswith("model.") for k in saved) and any(k.startswith("main_params.") for k in saved)
     found = {n: entries.unpack(b, n) for n, b in torch_dcp.read_entries(path, own).items()}
-    assert found["train_state"]["iteration"] == 5 and found["train_state"]["version"] == 3
+    assert found["train_state"]["iteration"] == 5 and found["train_state"]["version"] == 4
     assert found["train_state"]["extra_state"] == {"answer": 42}
     assert found["opt_param_scheduler"] == scheduler.state_dict()
     assert float(found["grad_scaler"]["scale"]) == float(optimizer.grad_scaler.scale)
@@ -132,3 +132,105 @@ def test_entries_round_trip_and_name_what_is_wrong():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         entries.unpack(blob, "x")  # weights_only: no pickle warning, no code run
+
+
+# ------------------------------------------ format 3: a gated fc1 stored with interleaved rows
+
+FIXTURE_V3 = os.path.join(HERE, "data", "checkpoint_v3_interleaved")
+
+
+def _v3_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_checkpoint_v3_interleaved",
+                                                  os.path.join(HERE, "data", "make_checkpoint_v3_interleaved.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _case_format_3_fc1(ckpt, tp, fsdp, save_to):
+    """Load the format-3 fixture at this layout; every tensor of fc1 (weights, fp32 main params,
+    Adam moments) comes back in the [gate; up] layout, announced once; a save stores that layout."""
+    import logging
+
+    import torch.distributed as dist
+
+    from helpers import full_tensor, setup_parallel
+    from megatron_fsdp.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallel
+
+    setup_parallel(tp, seed=11)
+    module = _v3_module()
+    model, optimizer = module.build()
+    if fsdp:
+        model = TorchFullyShardedDataParallel(model.config, DistributedDataParallelConfig(), model)
+        optimizer = module.get_megatron_optimizer(
+            module.OptimizerConfig(lr=1e-2, bf16=True, params_dtype=torch.bfloat16), model)
+    inner = getattr(model, "module", model)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("megatron_fsdp.training.checkpointing")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        load_checkpoint(model, optimizer, None, ckpt, true_vocab_size=module.VOCAB)
+    finally:
+        logger.removeHandler(handler)
+    expected = torch.load(os.path.join(ckpt, "expected.pt"), weights_only=True)
+    strides = {n: getattr(p, "partition_stride", 1) for n, p in inner.named_parameters()}
+    assert {n for n, s in strides.items() if s == 2} == {f"decoder.layers.{i}.mlp.linear_fc1.{w}"
+                                                         for i in range(2) for w in ("weight", "bias")}
+    vocab = module.VOCAB
+    for name, p in inner.named_parameters():
+        got = full_tensor(p.detach(), strides[name]).float()[:vocab] if "embedding" in name or "output" in name \
+            else full_tensor(p.detach(), strides[name]).float()
+        torch.testing.assert_close(got, expected["params"][name].float(), rtol=0, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
+    state = torch_dcp.sharded_state(model, optimizer)
+    for name, values in state["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = full_tensor(values[key], strides[name])
+            torch.testing.assert_close(got[:expected[key][name].shape[0]], expected[key][name], rtol=0, atol=0,
+                                       msg=lambda m: f"{name} {key}: {m}")
+    for name, main in state.get("main_params", {}).items():
+        got = full_tensor(main, strides[name])
+        torch.testing.assert_close(got[:expected["main_params"][name].shape[0]], expected["main_params"][name],
+                                   rtol=0, atol=0, msg=lambda m: f"main param {name}: {m}")
+    said = [r.getMessage() for r in records if "interleaved" in r.getMessage()]
+    if dist.get_rank() == 0:
+        assert len(said) == 1 and "converted" in said[0] and "format 4" in said[0], said
+    else:
+        assert not said
+    if save_to:
+        save_checkpoint(3, model, optimizer, None, save_to, true_vocab_size=vocab)
+    return sorted(state.get("main_params", {}))
+
+
+@pytest.mark.parametrize("world_size,tp,fsdp", [(1, 1, False), (2, 2, False), (4, 2, True)])
+def test_format_3_checkpoint_with_interleaved_fc1_loads_converted(pools, tmp_path, world_size, tp, fsdp):
+    ckpt = str(tmp_path / "v3")
+    shutil.copytree(FIXTURE_V3, ckpt)
+    save_to = str(tmp_path / "resaved") if world_size == 4 else None
+    mains = pools(world_size).run(_case_format_3_fc1, ckpt, tp, fsdp, save_to)[0]
+    assert fsdp or mains, "the fixture's fp32 main params were loaded"
+    if save_to:
+        # Saved again (format 4) from TP=2 x DP=2: the stored fc1 is the full [gate; up] tensor.
+        expected = torch.load(os.path.join(ckpt, "expected.pt"), weights_only=True)["params"]
+        name = "decoder.layers.1.mlp.linear_fc1.weight"
+        stored = {f"model.{name}": torch.empty(expected[name].shape, dtype=torch.float32)}
+        dcp.load(stored, checkpoint_id=os.path.join(save_to, "iter_0000003"), no_dist=True)
+        torch.testing.assert_close(stored[f"model.{name}"], expected[name].float(), rtol=0, atol=0)
+
+
+def test_a_newer_format_version_is_refused(tmp_path):
+    ckpt = str(tmp_path / "v3")
+    shutil.copytree(FIXTURE_V3, ckpt)
+    from megatron_fsdp.training import checkpointing
+    real = checkpointing._FORMAT_VERSION
+    checkpointing._FORMAT_VERSION = 2
+    try:
+        with pytest.raises(CheckpointError, match="format version 3, written by a newer megatron_fsdp; this "
+                                                  "one reads versions up to 2"):
+            load_checkpoint(torch.nn.Linear(1, 1), None, None, ckpt, verify=False)
+    finally:
+        checkpointing._FORMAT_VERSION = real

@@ -67,7 +67,8 @@ def _train(model, optimizer, scheduler, first, last):
 
 
 def _case_train_with_checkpoint(ckpt):
-    model, optimizer, scheduler = _build(2, fsdp=True)
+    # SwiGLU: fc1's [gate_r; up_r] rows reshard through the checkpoint's full [gate; up] layout.
+    model, optimizer, scheduler = _build(2, fsdp=True, swiglu=True)
     losses = _train(model, optimizer, scheduler, 1, SAVE_AT)
     path = save_checkpoint(SAVE_AT, model, optimizer, scheduler, ckpt, extra_state={"note": "mid-run"})
     assert path == os.path.join(ckpt, "iter_0000003") and read_latest_iteration(ckpt) == SAVE_AT
@@ -76,7 +77,7 @@ def _case_train_with_checkpoint(ckpt):
 
 
 def _case_resume(ckpt, tp, fsdp):
-    model, optimizer, scheduler = _build(tp, fsdp)
+    model, optimizer, scheduler = _build(tp, fsdp, swiglu=True)
     loaded = load_checkpoint(model, optimizer, scheduler, ckpt)
     assert loaded["iteration"] == SAVE_AT and loaded["extra_state"] == {"note": "mid-run"}
     assert scheduler.num_steps == SAVE_AT
@@ -158,9 +159,9 @@ def test_interrupted_save_keeps_previous_checkpoint(pools, tmp_path):
 
 def _case_load_error(ckpt, case):
     if case == "mismatched_model":
-        model, optimizer, scheduler = _build(2, fsdp=True, hidden_size=48)
+        model, optimizer, scheduler = _build(2, fsdp=True, hidden_size=48, swiglu=True)
     else:
-        model, optimizer, scheduler = _build(2, fsdp=True)
+        model, optimizer, scheduler = _build(2, fsdp=True, swiglu=True)
     load_checkpoint(model, optimizer, scheduler, ckpt, verify=case != "truncated_unverified")
 
 
@@ -258,10 +259,7 @@ def test_export_safetensors_holds_full_weights(pools, tmp_path):
     assert loaded.keys() == expected.keys()
     fc1 = [n for n in expected if ".mlp.linear_fc1." in n]
     assert len(fc1) == 4  # weight and bias of two layers
-    for name, tensor in expected.items():
-        if name in fc1:
-            # The model's own gate rows are W[0::2], its up rows W[1::2]: exported as [gate; up].
-            tensor = torch.cat([tensor[0::2], tensor[1::2]])
+    for name, tensor in expected.items():  # fc1: [gate; up] (full_params), not the TP=2 ranks' blocks
         assert loaded[name].dtype == torch.float32
         assert torch.equal(loaded[name], tensor), name
     assert not glob.glob(str(tmp_path / "*.tmp-*"))

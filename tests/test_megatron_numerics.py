@@ -122,7 +122,7 @@ def test_fully_masked_attention_row_is_uniform_as_in_megatron(pools, dtype):
 def _megatron_fused_activation(y, bias, kind):
     """Megatron's compiled bias-GELU / bias-GeGLU / bias-SwiGLU: fp32 inside, one
     rounding; GELU is the tanh form with Megatron's constant. Gated inputs are
-    in megatron_fsdp's interleaved (gate, up) layout."""
+    [gate; up] halves, Megatron's `torch.chunk(y, 2, -1)`."""
     x = y.float() + bias.float() if bias is not None else y.float()
 
     def gelu(t):
@@ -130,7 +130,7 @@ def _megatron_fused_activation(y, bias, kind):
 
     if kind == "gelu":
         return gelu(x).to(y.dtype)
-    gate, up = x[..., 0::2], x[..., 1::2]
+    gate, up = torch.chunk(x, 2, -1)
     return ((gelu(gate) if kind == "geglu" else F.silu(gate)) * up).to(y.dtype)
 
 
@@ -174,7 +174,7 @@ def _case_bias_activation_fusion(kind, dtype):
     if dtype == torch.float32 and kind != "swiglu":
         # Exact GELU (the unfused path) is measurably different: the test sees the approximation.
         yb = y.detach() + ref_params["linear_fc1.bias"].detach()
-        unfused = exact(yb) if kind == "gelu" else exact(yb[..., 0::2]) * yb[..., 1::2]
+        unfused = exact(yb) if kind == "gelu" else exact(yb.chunk(2, -1)[0]) * yb.chunk(2, -1)[1]
         fused = _megatron_fused_activation(y.detach(), ref_params["linear_fc1.bias"].detach(), kind)
         assert (unfused - fused).abs().max() > 1e-4
 

@@ -221,6 +221,45 @@ def test_column_parallel_linear_matches_dense(pools, tp):
     pools(WORLD).run(_case_column, tp)
 
 
+def _case_column_stride(tp: int) -> None:
+    """Megatron's stride 2 (a gated fc1): rank r holds full-weight row slices r and TP + r."""
+    from megatron_fsdp.tensor_parallel import partition_stride
+
+    setup_parallel(tp, seed=SEED)
+    _, rank = _tp()
+    layer = _column(tp, stride=2, gather_output=False)
+    torch.manual_seed(SEED)
+    full_w = torch.empty(OUT, IN).normal_(0.0, 0.02)  # drawn whole, as with stride 1
+    slices = full_w.chunk(2 * tp)
+    local = layer.weight.to_local() if isinstance(layer.weight, DTensor) else layer.weight
+    torch.testing.assert_close(local.detach(), torch.cat([slices[rank], slices[tp + rank]]), rtol=0, atol=0)
+    assert (layer.weight.partition_stride, layer.bias.partition_stride) == (2, 2)
+    torch.testing.assert_close(full_tensor(layer.weight.detach(), 2), full_w, rtol=0, atol=0)
+    torch.testing.assert_close(partition_stride.full_value(layer.weight.detach(), 2, tp), full_w, rtol=0, atol=0)
+    # The output halves are the rank's rows of each half of the dense output ([gate_r; up_r] for fc1).
+    x = _randn(S, B, IN, seed=1)
+    y, _ = layer(x)
+    dense = F.linear(x, full_w)
+    gate, up = y.chunk(2, dim=-1)
+    torch.testing.assert_close(gate, _chunk(dense[..., :OUT // 2], -1), **FP32_TOLERANCE)
+    torch.testing.assert_close(up, _chunk(dense[..., OUT // 2:], -1), **FP32_TOLERANCE)
+    # The layout helpers: blocks <-> full, and the full row of each block row.
+    blocks = partition_stride.to_blocks(full_w, 2, tp)
+    assert torch.equal(partition_stride.from_blocks(blocks, 2, tp), full_w)
+    rows = partition_stride.full_rows(torch.arange(OUT), OUT, 2, tp)
+    assert torch.equal(full_w[rows], blocks)
+    for start, length in ((0, OUT), (5, 7), (OUT - 3, 3)):
+        runs = partition_stride.full_row_runs(start, length, OUT, 2, tp)
+        assert sum(n for _, _, n in runs) == length
+        for offset, first, n in runs:
+            assert torch.equal(blocks[start + offset:start + offset + n], full_w[first:first + n])
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_column_stride_splits_megatrons_way(pools, tp):
+    pools(WORLD).run(_case_column_stride, tp)
+
+
 # ------------------------------------------------------------------- RowParallelLinear
 
 R_IN, R_OUT = 24, 16
@@ -561,11 +600,17 @@ def _case_unsupported_options() -> None:
     cfg = make_config()
     init = init_method_normal(0.02)
     for option, value in (("stride", 2), ("is_expert", True), ("keep_master_weight_for_test", True)):
-        with pytest.raises(NotImplementedError, match=rf"ColumnParallelLinear: {option}={value!r} is not supported"):
-            ColumnParallelLinear(IN, OUT, config=cfg, init_method=init, **{option: value})
+        if option != "stride":  # ColumnParallelLinear's stride: test_column_stride_splits_megatrons_way
+            with pytest.raises(NotImplementedError,
+                               match=rf"ColumnParallelLinear: {option}={value!r} is not supported"):
+                ColumnParallelLinear(IN, OUT, config=cfg, init_method=init, **{option: value})
         with pytest.raises(NotImplementedError, match=rf"RowParallelLinear: {option}={value!r} is not supported"):
             RowParallelLinear(R_IN, R_OUT, config=cfg, init_method=init, bias=True, input_is_parallel=True,
                               skip_bias_add=False, **{option: value})
+    with pytest.raises(ValueError, match="ColumnParallelLinear: stride must be a positive integer, got 0"):
+        ColumnParallelLinear(IN, OUT, config=cfg, init_method=init, stride=0)
+    with pytest.raises(ValueError, match="output_size 24 is not divisible by stride 8 x the tensor-parallel size 2"):
+        ColumnParallelLinear(IN, OUT, config=cfg, init_method=init, stride=8)
     with pytest.raises(NotImplementedError, match="embedding_activation_buffer"):
         ColumnParallelLinear(IN, OUT, config=cfg, init_method=init, embedding_activation_buffer=[])
     # A foreign process group is refused rather than silently ignored.

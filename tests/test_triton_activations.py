@@ -1,10 +1,10 @@
 """The Triton kernels of the fused bias-GELU / GeGLU / SwiGLU against the eager
 fp32 path (Megatron's formulas, fused_activations.py), forward and backward,
-in both fc1 layouts, with and without bias, in fp32, bf16 and fp16.
+with fc1's [gate; up] halves, with and without bias, in fp32, bf16 and fp16.
 
 On a GPU they run as CUDA kernels. Without one (a CUDA build of torch with
 Triton, as scripts/cuda_build_check.sh runs them) Triton's interpreter runs
-the same kernels on CPU tensors: the indexing, masking, layouts and arithmetic
+the same kernels on CPU tensors: the indexing, masking and arithmetic
 are the kernels', only the compiler is not. Skipped where Triton is missing
 (the CPU build of torch).
 """
@@ -31,14 +31,6 @@ TOLERANCE = {torch.float32: dict(rtol=4e-6, atol=1e-5), torch.bfloat16: dict(rto
              torch.float16: dict(rtol=1e-3, atol=1e-5)}
 
 
-def _interleaved(y, layout):
-    """The eager reference reads the interleaved layout: the blocked one converted to it."""
-    if layout == "interleaved":
-        return y
-    gate, up = y.chunk(2, dim=-1)
-    return torch.stack((gate, up), dim=-1).flatten(-2)
-
-
 def _case(kind, dtype, bias, rows=37, width=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     C = 2 * width if kind != "gelu" else width
@@ -49,33 +41,27 @@ def _case(kind, dtype, bias, rows=37, width=96, seed=0):
 
 
 @pytest.mark.parametrize("kind", ["gelu", "geglu", "swiglu"])
-@pytest.mark.parametrize("layout", ["interleaved", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernels_match_the_eager_fp32_formulas(kind, layout, dtype, bias, rows=37, width=96):
-    if kind == "gelu" and layout == "blocked":
-        pytest.skip("layouts are of gated inputs")
+def test_kernels_match_the_eager_fp32_formulas(kind, dtype, bias, rows=37, width=96):
     y, b = _case(kind, dtype, bias, rows=rows, width=width)
-    out = ta.bias_act_fwd(y, b, ta.CODES[kind], layout)
-    yi = _interleaved(y, layout)
-    bi = _interleaved(b, layout) if b is not None else None
-    x = fused_activations._biased_fp32(yi, bi)
+    out = ta.bias_act_fwd(y, b, ta.CODES[kind])
+    x = fused_activations._biased_fp32(y, b)
     want = fused_activations._forward_fp32(x, kind).to(dtype)
     assert out.dtype == dtype and out.shape == want.shape
     torch.testing.assert_close(out, want, **TOLERANCE[dtype])
 
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
-    dy = ta.bias_act_bwd(grad_out, y, b, ta.CODES[kind], layout)
+    dy = ta.bias_act_bwd(grad_out, y, b, ta.CODES[kind])
     want_dy = fused_activations._backward_fp32(grad_out.float(), x, kind).to(dtype)
-    torch.testing.assert_close(_interleaved(dy, layout), want_dy, **TOLERANCE[dtype])
+    torch.testing.assert_close(dy, want_dy, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("kind, layout", [("gelu", "interleaved"), ("swiglu", "interleaved"),
-                                          ("geglu", "blocked")])
-def test_rows_wider_than_a_block_of_the_grid(kind, layout):
+@pytest.mark.parametrize("kind", ["gelu", "swiglu", "geglu"])
+def test_rows_wider_than_a_block_of_the_grid(kind):
     """A row of 1100 outputs spans two column blocks of the 2-D grid (1024 wide), the second
     masked; 2 x 3 rows."""
-    test_kernels_match_the_eager_fp32_formulas(kind, layout, torch.float32, True, rows=2, width=1100)
+    test_kernels_match_the_eager_fp32_formulas(kind, torch.float32, True, rows=2, width=1100)
 
 
 @pytest.mark.parametrize("kind", ["gelu", "geglu", "swiglu"])
@@ -102,20 +88,19 @@ def test_only_cuda_tensors_take_the_kernels():
 def test_bad_arguments_are_named():
     y = torch.ones(4, 7, device=DEVICE)
     with pytest.raises(ValueError, match="gated activation needs an even last dimension"):
-        ta.bias_act_fwd(y, None, ta.SWIGLU, "interleaved")
+        ta.bias_act_fwd(y, None, ta.SWIGLU)
     with pytest.raises(ValueError, match=r"bias has shape \(3,\), expected \(8,\)"):
-        ta.bias_act_fwd(torch.ones(4, 8, device=DEVICE), torch.ones(3, device=DEVICE), ta.GEGLU, "interleaved")
-    with pytest.raises(ValueError, match="layout='rows', allowed"):
-        ta.bias_act_fwd(torch.ones(4, 8, device=DEVICE), None, ta.GEGLU, "rows")
+        ta.bias_act_fwd(torch.ones(4, 8, device=DEVICE), torch.ones(3, device=DEVICE), ta.GEGLU)
+    with pytest.raises(ValueError, match="kind code 7, allowed"):
+        ta.bias_act_fwd(torch.ones(4, 8, device=DEVICE), None, 7)
     with pytest.raises(ValueError, match=r"grad_out has shape \(4, 8\), expected \(4, 4\)"):
-        ta.bias_act_bwd(torch.ones(4, 8, device=DEVICE), torch.ones(4, 8, device=DEVICE), None, ta.SWIGLU,
-                        "blocked")
+        ta.bias_act_bwd(torch.ones(4, 8, device=DEVICE), torch.ones(4, 8, device=DEVICE), None, ta.SWIGLU)
 
 
 def test_empty_input():
     y = torch.ones(0, 8, device=DEVICE)
-    assert ta.bias_act_fwd(y, None, ta.SWIGLU, "blocked").shape == (0, 4)
-    assert ta.bias_act_bwd(torch.ones(0, 4, device=DEVICE), y, None, ta.SWIGLU, "blocked").shape == (0, 8)
+    assert ta.bias_act_fwd(y, None, ta.SWIGLU).shape == (0, 4)
+    assert ta.bias_act_bwd(torch.ones(0, 4, device=DEVICE), y, None, ta.SWIGLU).shape == (0, 8)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="torch.compile of a Triton op needs the GPU")

@@ -9,8 +9,9 @@ import uuid
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from .. import parallel_state
+from ..tensor_parallel import partition_stride
 from .core import CheckpointError
 from .publish import fsync_dir
 from ..utils import all_gather_objects, get_rank_safe, is_distributed, unwrap_model
@@ -33,19 +34,15 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
 
     A gated MLP's `linear_fc1` weight (and bias) is written in Megatron's
     TP=1 layout, `[gate; up]`: the gate rows, then the up rows, which is what
-    Megatron-to-HF converters split in halves. (In the model its rows
-    alternate gate, up, gate, up: see megatron_fsdp.transformer.mlp.MLP.)
+    Megatron-to-HF converters split in halves, whatever the TP size
+    (tensor_parallel.partition_stride).
     """
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
-    from ..models.gpt.megatron_layout import fc1_to_megatron
-    from ..transformer.mlp import MLP
-
     inner = unwrap_model(model)
     # Weights only: module extra state (fp8 scaling histories) is no tensor to export.
     state = {name: t for name, t in inner.state_dict().items() if isinstance(t, torch.Tensor)}
-    interleaved = {f"{name}.linear_fc1.{p}".lstrip(".") for name, m in inner.named_modules()
-                   if isinstance(m, MLP) and m.gated for p in ("weight", "bias")}
+    strided, tp = partition_stride.strided_parameters(inner), parallel_state.get_tensor_model_parallel_world_size()
     header, offset = {}, 0
     for name, t in state.items():
         nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
@@ -68,9 +65,7 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
     for name, t in state.items():
         # Every rank joins every gather, even after a write failed on rank 0,
         # so that no rank is left waiting in a collective.
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        if name in interleaved:
-            full = fc1_to_megatron(full, tensor_model_parallel_size=1)  # the model's own layout converter
+        full = partition_stride.full_value(t, strided.get(name, 1), tp)
         if f is not None:
             try:
                 f.write(full.detach().to("cpu", dtype).contiguous().view(torch.uint8).numpy().tobytes())

@@ -11,8 +11,8 @@ checkpoint tool builds on it):
                                             (the order our attention reads); biases likewise (Qwen2)
   model.layers.i.self_attn.o_proj.weight    decoder.layers.i.self_attention.linear_proj.weight
   model.layers.i.post_attention_layernorm   decoder.layers.i.pre_mlp_layernorm.weight
-  model.layers.i.mlp.{gate,up}_proj.weight  decoder.layers.i.mlp.linear_fc1.weight, rows interleaved
-                                            gate_0, up_0, gate_1, ... (megatron_fsdp's layout)
+  model.layers.i.mlp.{gate,up}_proj.weight  decoder.layers.i.mlp.linear_fc1.weight: [gate; up]
+                                            (Megatron's full layout)
   model.layers.i.mlp.down_proj.weight       decoder.layers.i.mlp.linear_fc2.weight
   model.norm.weight                         decoder.final_layernorm.weight
   lm_head.weight                            output_layer.weight (absent when tied)
@@ -28,8 +28,6 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
-
-from ..models.gpt.megatron_layout import fc1_from_megatron, fc1_to_megatron
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -149,7 +147,7 @@ def hf_to_megatron_fsdp(hf_state: Mapping[str, torch.Tensor], hf: Mapping,
         out[dst + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
         gate, up = hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = fc1_from_megatron(torch.cat((gate, up)), 1)  # Megatron's TP=1 [gate; up]
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat((gate, up))
         out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
     return out
 
@@ -173,7 +171,7 @@ def megatron_fsdp_to_hf(state: Mapping[str, torch.Tensor], hf: Mapping) -> dict[
                 out[f"{dst}self_attn.{name}.bias"] = t
         out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
         out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
-        gate, up = fc1_to_megatron(state[src + "mlp.linear_fc1.weight"], 1).chunk(2)
+        gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2)
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
         out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
     return {k: v.contiguous() for k, v in out.items()}

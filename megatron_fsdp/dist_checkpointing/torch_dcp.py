@@ -9,7 +9,10 @@ from typing import Optional
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -19,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..utils import unwrap_model
-from . import vocab_padding
+from . import strided, vocab_padding
 from .checksums import ChecksumFileSystemWriter
 from .core import EXTRA_STATE_SUFFIX, CheckpointError, describe
 
@@ -46,14 +49,38 @@ def sharded_state(model: nn.Module, optimizer=None, main_params: bool = True) ->
     return state
 
 
-def save_sharded(state: dict, path: str, checksums: Optional[dict]) -> None:
+def save_sharded(state: dict, path: str, checksums: Optional[dict], model: Optional[nn.Module] = None) -> None:
     """Every rank writes its shards into `path`; the crc32 of each file this
-    rank wrote goes into `checksums` (None: no checksums). A failure on any
-    rank raises DCP's CheckpointException on every rank."""
+    rank wrote goes into `checksums` (None: no checksums). The tensors of
+    `model`'s partition-strided parameters are written in their full layout
+    (strided.py). A failure on any rank raises DCP's CheckpointException on every rank."""
+    planner = strided.StridedSavePlanner(strided.strided_keys(unwrap_model(model), state) if model else {})
     if checksums is None:
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(state, checkpoint_id=path, planner=planner)
     else:
-        dcp.save(state, storage_writer=ChecksumFileSystemWriter(path, checksums))
+        dcp.save(state, storage_writer=ChecksumFileSystemWriter(path, checksums), planner=planner)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with the two reads of our own: the vocabulary rows below the
+    true vocabulary (vocab_padding) and partition-strided tensors (strided)."""
+
+    def __init__(self, rows: dict[str, int], strided_keys: dict[str, int], legacy_interleaved: bool):
+        super().__init__()
+        self._rows, self._strided, self._legacy = rows, strided_keys, legacy_interleaved
+        self.strided_reads = None
+
+    def create_local_plan(self) -> LoadPlan:
+        regular = {k: v for k, v in self.state_dict.items() if k not in self._rows and k not in self._strided}
+        self.strided_reads = strided.StridedReads(self.state_dict, self._strided, self._legacy)
+        items = (create_default_local_load_plan(regular, self.metadata, True).items
+                 + vocab_padding.partial_row_reads(self.state_dict, self._rows, self.metadata)
+                 + self.strided_reads.items(self.metadata))
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        found = self.strided_reads.lookup(index)
+        return found if found is not None else super().lookup_tensor(index)
 
 
 def read_entries(path: str, names: list[str]) -> dict:
@@ -107,17 +134,23 @@ def _extra_state_keys(model: nn.Module) -> list[str]:
 
 
 def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict,
-                 kept: Optional[dict] = None) -> None:
+                 kept: Optional[dict] = None, legacy_interleaved: bool = False) -> int:
     """Read the shards into `state` (collective), then into the model and
-    optimizer, with what prepare_load `kept` of this run's own."""
+    optimizer, with what prepare_load `kept` of this run's own.
+    `legacy_interleaved`: the checkpoint (format 3 or before) stored a gated
+    fc1 with interleaved gate and up rows (strided.py). Returns how many
+    tensors were converted from that layout."""
     kept = kept or {}
+    inner = unwrap_model(model)
     if rows:
-        vocab_padding.zero_fill(state, vocab_padding.vocab_param_names(unwrap_model(model)), rows)
+        vocab_padding.zero_fill(state, vocab_padding.vocab_param_names(inner), rows)
+    strided_keys = strided.strided_keys(inner, state)
+    planner = _LoadPlanner(rows, strided_keys, legacy_interleaved)
     try:
-        dcp.load(state, checkpoint_id=path, planner=vocab_padding.RowsLoadPlanner(rows))
+        dcp.load(state, checkpoint_id=path, planner=planner)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {describe(exc)}") from exc
-    inner = unwrap_model(model)
+    planner.strided_reads.finish()
     for key in _extra_state_keys(inner):
         if key not in state["model"]:  # not in the checkpoint (prepare_load): the module keeps its own
             state["model"][key] = inner.get_submodule(key[:-len(EXTRA_STATE_SUFFIX) - 1]).get_extra_state()
@@ -129,3 +162,4 @@ def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict
             state["optimizer"]["param_groups"] = kept["param_groups"]
         set_optimizer_state_dict(_optimizer_owner(inner, optimizer), _inner_optimizer(optimizer),
                                  state["optimizer"])
+    return len(strided_keys) if legacy_interleaved else 0

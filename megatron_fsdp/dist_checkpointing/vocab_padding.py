@@ -15,10 +15,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
@@ -115,28 +112,21 @@ def zero_fill(state: dict, names: list[str], rows: dict[str, int]) -> None:
             (tensor.to_local() if isinstance(tensor, DTensor) else tensor).zero_()
 
 
-class RowsLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner, reading only the first `rows[key]` rows of the
-    listed tensors: the checkpoint's rows and the model's share the same
+def partial_row_reads(state_dict: dict, rows: dict[str, int], metadata) -> list:
+    """DCP read items for the first `rows[key]` rows of the listed tensors of the
+    (flattened) `state_dict`: the checkpoint's rows and the model's share the same
     indices below the true vocabulary, whatever the two paddings."""
-
-    def __init__(self, rows: dict[str, int]):
-        super().__init__()
-        self._rows = rows
-
-    def create_local_plan(self) -> LoadPlan:
-        regular = {k: v for k, v in self.state_dict.items() if k not in self._rows}
-        items = list(create_default_local_load_plan(regular, self.metadata, True).items)
-        for key, rows in self._rows.items():
-            tensor = self.state_dict[key]
-            if isinstance(tensor, DTensor) and tensor.device_mesh.get_coordinate() is None:
-                continue
-            chunks = []
-            for chunk in _torch_compat.create_chunk_list(tensor):
-                keep = min(chunk.sizes[0], max(0, rows - chunk.offsets[0]))
-                if keep > 0:
-                    # Same origin as the local shard: the read items' offsets stay valid in it.
-                    chunks.append(ChunkStorageMetadata(offsets=chunk.offsets,
-                                                       sizes=torch.Size([keep, *chunk.sizes[1:]])))
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
-        return LoadPlan(items)
+    items = []
+    for key, count in rows.items():
+        tensor = state_dict[key]
+        if isinstance(tensor, DTensor) and tensor.device_mesh.get_coordinate() is None:
+            continue
+        chunks = []
+        for chunk in _torch_compat.create_chunk_list(tensor):
+            keep = min(chunk.sizes[0], max(0, count - chunk.offsets[0]))
+            if keep > 0:
+                # Same origin as the local shard: the read items' offsets stay valid in it.
+                chunks.append(ChunkStorageMetadata(offsets=chunk.offsets,
+                                                   sizes=torch.Size([keep, *chunk.sizes[1:]])))
+        items += create_read_items_for_chunk_list(key, metadata.state_dict_metadata[key], chunks)
+    return items

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import parallel_state
-from ..utils import reject_unsupported
+from ..utils import check_positive_int, reject_unsupported
 from .mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -93,7 +93,7 @@ class ColumnParallelLinear(ResetsDeclaredParameters, _LocalMatmul, nn.Module):
         super().__init__()
         name = type(self).__name__
         reject_unsupported(name, {
-            "stride": (stride, 1), "keep_master_weight_for_test": (keep_master_weight_for_test, False),
+            "keep_master_weight_for_test": (keep_master_weight_for_test, False),
             "embedding_activation_buffer": (embedding_activation_buffer, None),
             "grad_output_buffer": (grad_output_buffer, None), "is_expert": (is_expert, False)})
         _check_tp_group(name, tp_group)
@@ -106,16 +106,22 @@ class ColumnParallelLinear(ResetsDeclaredParameters, _LocalMatmul, nn.Module):
         self.sequence_parallel = config.sequence_parallel
         self.tp_comm_buffer_name = tp_comm_buffer_name  # names a TE comm buffer; no buffer here
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        # Megatron's stride (partition_stride): the rank's rows are `stride` slices of the full
+        # weight (a gated MLP's fc1: its gate and up rows); see tensor_parallel.partition_stride.
+        self.stride = check_positive_int("stride", stride, name)
+        if stride > 1 and output_size % (stride * tp_size) != 0:
+            raise ValueError(f"{name}: output_size {output_size} is not divisible by stride {stride} x the "
+                             f"tensor-parallel size {tp_size}")
         self.output_size_per_partition = divide(output_size, tp_size)
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
             self.weight = make_tp_parameter(
-                init_full_tensor((output_size, input_size), init_method, config), 0, config)
+                init_full_tensor((output_size, input_size), init_method, config), 0, config, stride)
             record_init(self, "weight", init_method, config)
         if bias:
             full_bias = init_full_tensor((output_size,), constant_init(0.0), config)
-            self.bias = make_tp_parameter(full_bias, 0, config)
+            self.bias = make_tp_parameter(full_bias, 0, config, stride)
             record_init(self, "bias", constant_init(0.0), config)
         else:
             self.register_parameter("bias", None)

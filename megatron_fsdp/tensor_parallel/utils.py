@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import parallel_state
+from .partition_stride import rank_rows
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -167,9 +168,11 @@ class VocabUtility:
             divide(global_vocab_size, world_size), rank, world_size)
 
 
-def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> torch.nn.Parameter:
+def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config, stride: int = 1) -> torch.nn.Parameter:
     """A parameter holding this rank's part of `full` as a DTensor on the TP mesh:
-    Shard(shard_dim), or Replicate() when `shard_dim` is None.
+    Shard(shard_dim), or Replicate() when `shard_dim` is None. With `stride` > 1
+    (shard_dim 0 only), the rank's part is Megatron's partition_stride split
+    (tensor_parallel.partition_stride): the DTensor is Shard(0) of the ranks' parts.
 
     With a tensor-parallel size of 1 the parameter is a plain tensor: there is
     nothing to shard, and FSDP2 offers features to plain parameters that it
@@ -186,7 +189,10 @@ def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> t
                 f"dimension {shard_dim} of size {full.size(shard_dim)} is not divisible by "
                 f"the tensor-parallel size {tp_size}"
             )
-        local = full.chunk(tp_size, dim=shard_dim)[mesh.get_local_rank()]
+        if stride != 1 and shard_dim != 0:
+            raise ValueError(f"a partition_stride of {stride} splits dimension 0 only, not {shard_dim}")
+        local = rank_rows(full, stride, tp_size, mesh.get_local_rank()) if stride != 1 else \
+            full.chunk(tp_size, dim=shard_dim)[mesh.get_local_rank()]
         placement = Shard(shard_dim)
     device = full.device if full.device.type == "meta" else parallel_state.get_device()
     # copy=True: a shard that is a view would keep the whole `full` tensor alive.
@@ -198,5 +204,5 @@ def make_tp_parameter(full: torch.Tensor, shard_dim: Optional[int], config) -> t
         param = torch.nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False,
                                                       shape=full.shape, stride=full.stride()))
     # Megatron marks a split weight as TP-parallel at every TP size (TP=1 included).
-    set_tensor_model_parallel_attributes(param, shard_dim is not None, -1 if shard_dim is None else shard_dim, 1)
+    set_tensor_model_parallel_attributes(param, shard_dim is not None, -1 if shard_dim is None else shard_dim, stride)
     return param

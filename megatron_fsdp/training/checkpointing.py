@@ -20,7 +20,9 @@ Each non-tensor entry is one checksummed blob (dist_checkpointing.entries),
 taken from an object with state_dict() (the scheduler, the loss scaler, ...):
 save_checkpoint is prepare the directory, one dcp.save of the dict through
 the checksumming writer, publish. Checkpoints of format 2 (the same DCP
-tensors, the entries in common.pt and rng/rank_*.pt) still load.
+tensors, the entries in common.pt and rng/rank_*.pt) still load. A gated
+fc1 is stored as its full [gate; up] tensor (format 4); formats 2 and 3
+stored its rows interleaved and load converted (dist_checkpointing.strided).
 
 A checkpoint is written into `iter_XXXXXXX.tmp-<run>-<id>` and published by
 rename once every rank finished writing and rank 0 wrote the checksum
@@ -73,7 +75,8 @@ __all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "export_safe
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CKPT_FORMAT = "torch_dcp"
-_FORMAT_VERSION = 3
+# 4: a gated fc1 (partition_stride 2) stored [gate; up]; up to 3 its rows interleaved gate, up
+_FORMAT_VERSION = 4
 _METADATA = ".metadata"  # DCP's, written last by its save
 _COMMON = "common.pt"  # format 2: the non-tensor entries, rng/ the RNG states
 # Verified before anything else is read: what the checkpoint says about itself.
@@ -231,7 +234,7 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
             error = exc
         core.raise_if_any_failed(error, failed)  # every rank enters the collective save, or none
         try:
-            torch_dcp.save_sharded(states, tmp, record)  # DCP fsyncs its files; publish() the directory
+            torch_dcp.save_sharded(states, tmp, record, model)  # DCP fsyncs its files; publish() the directory
         except (Exception, CheckpointException) as exc:  # DCP reports a failed rank to all ranks
             error = exc
         core.raise_if_any_failed(error, failed)
@@ -344,6 +347,9 @@ def _read_common(path: str, model: nn.Module, optimizer, opt_param_scheduler, lo
     common = _read_entries(path, saved, model)
     if common.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {common.get('format')!r}, expected {CKPT_FORMAT!r}")
+    if common.get("version", 2) > _FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {common['version']}, written by a newer "
+                              f"megatron_fsdp; this one reads versions up to {_FORMAT_VERSION}")
     if load_optim and optimizer is not None and not any(k.startswith("optimizer.") for k in saved):
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (it was saved without an "
                               "optimizer): load it with load_optim=False (--no-load-optim)")
@@ -498,7 +504,12 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
 
     padded = _padded_vocab_sizes(model, saved, state)
-    torch_dcp.load_sharded(path, model, optimizer, state, rows, kept)
+    converted = torch_dcp.load_sharded(path, model, optimizer, state, rows, kept,
+                                       legacy_interleaved=common.get("version", 2) < 4)
+    if converted and get_rank_safe() == 0:
+        logger.info("checkpoint %s (format version %s) stores gated MLPs' fc1 with gate and up rows interleaved: "
+                    "converted %d tensors to the [gate; up] layout on load; the next save writes format %d",
+                    path, common.get("version", 2), converted, _FORMAT_VERSION)
     for name, model_state in checkpoint_states(model).items():
         model_state.load_state_dict(common.get(name))  # every rank (it may communicate)
     if load_optim and opt_param_scheduler is not None:

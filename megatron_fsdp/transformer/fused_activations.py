@@ -10,8 +10,8 @@ Megatron's fused paths are not its unfused ones with fewer kernels:
 Backward uses Megatron's closed-form derivatives, also in fp32, rounded once,
 and keeps only the inputs for it.
 
-Gated inputs use megatron_fsdp's fc1 layout: gate and up interleave on the
-last dimension (gate = y[..., 0::2], up = y[..., 1::2]); see MLP.
+Gated inputs hold Megatron-Core's fc1 layout: the gate, then the up
+projection, in halves of the last dimension (see MLP).
 
 On CUDA, forward and backward are one Triton kernel each
 (triton_activations.py: the same formulas, per element, in fp32); the eager
@@ -42,12 +42,12 @@ def _tanh_gelu_and_grad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = x.unflatten(-1, (-1, 2))
-    return pairs[..., 0], pairs[..., 1]
+    gate, up = torch.chunk(x, 2, dim=-1)
+    return gate, up
 
 
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.stack((gate, up), dim=-1).flatten(-2)
+def _join(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.cat((gate, up), dim=-1)
 
 
 def _biased_fp32(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -68,9 +68,9 @@ def _backward_fp32(g: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
     gate, up = _split(x)
     if kind == "geglu":
         activated, grad = _tanh_gelu_and_grad(gate)
-        return _interleave((g * up) * grad, g * activated)
+        return _join((g * up) * grad, g * activated)
     sig = torch.sigmoid(gate)
-    return _interleave(g * sig * (1 + gate * (1 - sig)) * up, g * F.silu(gate))
+    return _join(g * sig * (1 + gate * (1 - sig)) * up, g * F.silu(gate))
 
 
 _triton_kernels = None  # triton_activations once imported; False where Triton is missing
@@ -99,7 +99,7 @@ class BiasActivationFunction(torch.autograd.Function):
         ctx.kind = kind
         kernels = _kernels_for(y)
         if kernels is not None:
-            return kernels.bias_act_fwd(y, bias, kernels.CODES[kind], "interleaved")
+            return kernels.bias_act_fwd(y, bias, kernels.CODES[kind])
         return _forward_fp32(_biased_fp32(y, bias), kind).to(y.dtype)
 
     @staticmethod
@@ -107,7 +107,7 @@ class BiasActivationFunction(torch.autograd.Function):
         y, bias = ctx.saved_tensors
         kernels = _kernels_for(y)
         if kernels is not None:
-            grad = kernels.bias_act_bwd(grad_output, y, bias, kernels.CODES[ctx.kind], "interleaved")
+            grad = kernels.bias_act_bwd(grad_output, y, bias, kernels.CODES[ctx.kind])
         else:
             grad = _backward_fp32(grad_output.float(), _biased_fp32(y, bias), ctx.kind).to(y.dtype)
         # Megatron returns the same tensor for the bias and autograd sums it over the tokens.

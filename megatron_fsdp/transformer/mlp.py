@@ -14,14 +14,12 @@ from .fused_activations import bias_activation, weighted_swiglu
 
 
 class MLP(nn.Module):
-    """With gated_linear_unit, fc1's output rows alternate gate, up, gate, up, ...
-
-    Megatron-Core stores each TP rank's [gate; up] block contiguously, which
-    makes the full weight depend on the TP size. Interleaving keeps fc1 a
-    plain Shard(0) DTensor whose full value is the same for every TP size, so
-    checkpoints reshard across TP sizes. (gate = W[0::2], up = W[1::2].)
-    models/gpt/megatron_layout.py converts state dicts to and from Megatron's
-    layout for a given TP size.
+    """With gated_linear_unit, fc1 computes a gate and an up projection, and
+    each TP rank holds Megatron-Core's layout: its units' gate rows, then their
+    up rows ([gate_r; up_r]), so the output splits in halves with a view.
+    fc1 is a ColumnParallelLinear with Megatron's stride 2: its full weight is
+    [gate; up] at every TP size (tensor_parallel.partition_stride), which is
+    what initialization draws, checkpoints store and export writes.
     """
 
     def __init__(self, config, input_size: int | None = None):
@@ -34,6 +32,7 @@ class MLP(nn.Module):
         self.linear_fc1 = ColumnParallelLinear(
             self.input_size, 2 * ffn if self.gated else ffn, config=config,
             init_method=config.init_method, bias=config.add_bias_linear, gather_output=False,
+            stride=2 if self.gated else 1,
             skip_bias_add=True, tp_comm_buffer_name="fc1")
         self.linear_fc2 = RowParallelLinear(
             ffn, config.hidden_size, config=config, init_method=config.output_layer_init_method,
@@ -80,8 +79,8 @@ class MLP(nn.Module):
             if bias is not None:
                 intermediate = intermediate + bias
             if self.gated:
-                pairs = intermediate.unflatten(-1, (-1, 2))
-                intermediate = self.activation_func(pairs[..., 0]) * pairs[..., 1]
+                gate, up = torch.chunk(intermediate, 2, dim=-1)
+                intermediate = self.activation_func(gate) * up
             else:
                 intermediate = self.activation_func(intermediate)
             if per_token_scale is not None:

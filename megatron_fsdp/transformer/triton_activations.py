@@ -9,9 +9,8 @@ together. So a gated activation costs one read of fc1's output and one write
 of half its size forward, one read of each and one write of fc1's size
 backward: nothing is cast, stacked or interleaved in between.
 
-Gated inputs come in one of two layouts of the last dimension (C = 2F):
-"interleaved" (gate at 2j, up at 2j + 1: megatron_fsdp's fc1) or "blocked"
-(gate at j, up at F + j: Megatron-Core's [gate; up]).
+Gated inputs hold fc1's output in Megatron-Core's layout: gate at column j,
+up at F + j of each row of C = 2F columns.
 
 The kernels are torch.library.triton_op operators (megatron_fsdp::bias_act_fwd
 and ::bias_act_bwd), so torch.compile sees through them. Importing this module
@@ -32,7 +31,6 @@ from .gelu_constants import CUBIC as _CUBIC, CUBIC_GRAD as _CUBIC_GRAD, SQRT_2_O
 # kind codes (constexpr in the kernels)
 GELU, GEGLU, SWIGLU = 0, 1, 2
 CODES = {"gelu": GELU, "geglu": GEGLU, "swiglu": SWIGLU}
-LAYOUTS = ("interleaved", "blocked")
 _BLOCK = 1024
 
 
@@ -58,15 +56,13 @@ def _sigmoid(a):
 
 
 @triton.jit
-def _offsets(row, j, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr):
+def _offsets(row, j, F, C, KIND: tl.constexpr):
     """Output column j of a row -> (gate or input offset, up offset) in y, and their bias
     indices. From the row and column (a 2-D grid), not a flat index: no division per element."""
     base = row * C
     if KIND == 0:
         return base + j, base + j, j, j
-    if BLOCKED:
-        return base + j, base + F + j, j, F + j
-    return base + 2 * j, base + 2 * j + 1, 2 * j, 2 * j + 1
+    return base + j, base + F + j, j, F + j
 
 
 @triton.jit
@@ -79,14 +75,13 @@ def _load_fp32(y_ptr, off, bias_ptr, bias_off, mask, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _bias_act_fwd_kernel(y_ptr, bias_ptr, out_ptr, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, SQRT_2_OVER_PI: tl.constexpr, CUBIC: tl.constexpr,
+def _bias_act_fwd_kernel(y_ptr, bias_ptr, out_ptr, F, C, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SQRT_2_OVER_PI: tl.constexpr, CUBIC: tl.constexpr,
                          CUBIC_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = j < F
     i = row * F + j  # the output's (and the output gradient's) offset
-    a_off, b_off, a_bias, b_bias = _offsets(row, j, F, C, KIND, BLOCKED)
+    a_off, b_off, a_bias, b_bias = _offsets(row, j, F, C, KIND)
     a = _load_fp32(y_ptr, a_off, bias_ptr, a_bias, mask, HAS_BIAS)
     if KIND == 2:
         act = a * _sigmoid(a)
@@ -98,14 +93,13 @@ def _bias_act_fwd_kernel(y_ptr, bias_ptr, out_ptr, F, C, KIND: tl.constexpr, BLO
 
 
 @triton.jit
-def _bias_act_bwd_kernel(g_ptr, y_ptr, bias_ptr, dy_ptr, F, C, KIND: tl.constexpr, BLOCKED: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, SQRT_2_OVER_PI: tl.constexpr, CUBIC: tl.constexpr,
+def _bias_act_bwd_kernel(g_ptr, y_ptr, bias_ptr, dy_ptr, F, C, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, SQRT_2_OVER_PI: tl.constexpr, CUBIC: tl.constexpr,
                          CUBIC_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = j < F
     i = row * F + j  # the output's (and the output gradient's) offset
-    a_off, b_off, a_bias, b_bias = _offsets(row, j, F, C, KIND, BLOCKED)
+    a_off, b_off, a_bias, b_bias = _offsets(row, j, F, C, KIND)
     g = tl.load(g_ptr + i, mask=mask, other=0.0).to(tl.float32)
     a = _load_fp32(y_ptr, a_off, bias_ptr, a_bias, mask, HAS_BIAS)
     if KIND == 2:
@@ -123,11 +117,9 @@ def _bias_act_bwd_kernel(g_ptr, y_ptr, bias_ptr, dy_ptr, F, C, KIND: tl.constexp
         tl.store(dy_ptr + b_off, (g * act).to(dy_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int, layout: str) -> tuple[int, int]:
+def _check(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int) -> tuple[int, int]:
     if kind not in (GELU, GEGLU, SWIGLU):
         raise ValueError(f"bias_act: kind code {kind}, allowed: {CODES}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"bias_act: layout={layout!r}, allowed: {LAYOUTS}")
     C = y.shape[-1]
     if kind != GELU and C % 2:
         raise ValueError(f"bias_act: a gated activation needs an even last dimension, got {tuple(y.shape)}")
@@ -147,25 +139,24 @@ def _constants(block: int):
 
 
 @triton_op("megatron_fsdp::bias_act_fwd", mutates_args=())
-def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int, layout: str) -> torch.Tensor:
+def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int) -> torch.Tensor:
     """act(y + bias) for kind GELU, GEGLU or SWIGLU; gated: [..., C] -> [..., C / 2]."""
-    C, F = _check(y, bias, kind, layout)
+    C, F = _check(y, bias, kind)
     y = y.contiguous()
     out = torch.empty(*y.shape[:-1], F, dtype=y.dtype, device=y.device)
     n = out.numel()
     if n:
         grid, block = _launch(n, F)
         wrap_triton(_bias_act_fwd_kernel)[grid](
-            y, y if bias is None else bias.contiguous(), out, F, C, KIND=kind, BLOCKED=layout == "blocked",
-            HAS_BIAS=bias is not None, **_constants(block))
+            y, y if bias is None else bias.contiguous(), out, F, C, KIND=kind, HAS_BIAS=bias is not None, **_constants(block))
     return out
 
 
 @triton_op("megatron_fsdp::bias_act_bwd", mutates_args=())
-def bias_act_bwd(grad_out: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor], kind: int,
-                 layout: str) -> torch.Tensor:
+def bias_act_bwd(grad_out: torch.Tensor, y: torch.Tensor, bias: Optional[torch.Tensor],
+                 kind: int) -> torch.Tensor:
     """d act(y + bias) / dy applied to grad_out: the gradient of y (summed over the tokens it is the bias's)."""
-    C, F = _check(y, bias, kind, layout)
+    C, F = _check(y, bias, kind)
     if tuple(grad_out.shape) != (*y.shape[:-1], F):
         raise ValueError(f"bias_act_bwd: grad_out has shape {tuple(grad_out.shape)}, expected "
                          f"{(*y.shape[:-1], F)}")
@@ -176,5 +167,5 @@ def bias_act_bwd(grad_out: torch.Tensor, y: torch.Tensor, bias: Optional[torch.T
         grid, block = _launch(n, F)
         wrap_triton(_bias_act_bwd_kernel)[grid](
             grad_out, y, y if bias is None else bias.contiguous(), dy, F, C, KIND=kind,
-            BLOCKED=layout == "blocked", HAS_BIAS=bias is not None, **_constants(block))
+            HAS_BIAS=bias is not None, **_constants(block))
     return dy
