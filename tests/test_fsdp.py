@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -44,8 +45,10 @@ LAYOUTS = {
 
 MODELS = {
     "plain": (dict(), dict()),
-    # 66 rows, ffn 50, hidden 36: no parameter divides evenly over 4 ranks.
-    "uneven": (dict(hidden_size=36, num_attention_heads=4, ffn_hidden_size=50), dict(vocab_size=66)),
+    # 66 rows, hidden 36, ffn 50: the vocabulary rows and fc2's columns divide unevenly over 4 ranks.
+    # SwiGLU: fc1 holds [gate_r; up_r] per TP rank (partition_stride 2).
+    "uneven": (dict(hidden_size=36, num_attention_heads=4, ffn_hidden_size=50, gated_linear_unit=True,
+                    activation_func=F.silu), dict(vocab_size=66)),
     "tied_rope": (dict(), dict(share_embeddings_and_output_weights=True, position_embedding_type="rope")),
     # Recompute re-runs forwards inside backward; the wrapper sets explicit backward prefetch.
     "recompute": (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), dict()),

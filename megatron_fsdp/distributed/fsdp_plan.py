@@ -108,7 +108,7 @@ def apply_fsdp_plan(module: nn.Module, plan: FSDPPlan) -> None:
     convert_fp8(module, plan)
     compile_layers(plan)
     shard_units(module, plan)
-    materialize_meta_parameters(module, plan)
+    materialize_meta_parameters(module, plan, tp_attributes)
     compute_fp8_scales(module, plan)
     install_copy_kernels(plan)
     restore_tp_attributes(module, tp_attributes)
@@ -182,13 +182,15 @@ def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
             unit.set_modules_to_backward_prefetch([previous])
 
 
-def materialize_meta_parameters(module: nn.Module, plan: FSDPPlan) -> None:
+def materialize_meta_parameters(module: nn.Module, plan: FSDPPlan, tp_attributes: dict) -> None:
     """Allocate only this rank's shards, then draw the values a normal build
     would (from the current generator state: seeded as before a normal build,
-    the model holds exactly the normally built weights)."""
+    the model holds exactly the normally built weights). The initialization
+    reads the TP attributes (a partition_stride's rows): restored first."""
     if plan.materialize_on is None:
         return
     module.to_empty(device=plan.materialize_on)
+    restore_tp_attributes(module, tp_attributes)
     initialize_parameters(module)
 
 
