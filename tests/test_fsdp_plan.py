@@ -15,6 +15,7 @@ from megatron_fsdp.distributed import (
     TorchFullyShardedDataParallel,
     TorchFullyShardedDataParallelConfig,
 )
+from megatron_fsdp import parallel_state
 from megatron_fsdp.models.gpt import GPTModel
 from test_fsdp import MICRO, SEQ, _build
 
@@ -211,3 +212,68 @@ def _case_fp8_scales_follow_load_state_dict():
 def test_fp8_scales_follow_load_state_dict(pools):
     for scale, expected in pools(4).run(_case_fp8_scales_follow_load_state_dict):
         assert scale == pytest.approx(expected, rel=1e-6)
+
+
+def _case_cpu_offload_pairs_the_wrapper_and_the_optimizer():
+    """--optimizer-cpu-offload: the wrapper keeps the shards in CPU memory (FSDP2's offload
+    policy) and the optimizer must know it, and the other way round: one clear error each."""
+    from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    setup_parallel(1)
+    cfg = make_config()
+    offloaded = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(cpu_offload=True),
+                                              GPTModel(cfg, vocab_size=64, max_sequence_length=8))
+    assert offloaded.cpu_offload
+    get_megatron_optimizer(OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True), offloaded)
+    with pytest.raises(ValueError, match="is wrapped with CPU offload: set OptimizerConfig"):
+        get_megatron_optimizer(OptimizerConfig(lr=1e-3), offloaded)
+    plain = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(),
+                                          GPTModel(cfg, vocab_size=64, max_sequence_length=8))
+    assert not plain.cpu_offload
+    with pytest.raises(ValueError, match="optimizer_cpu_offload=True but model chunk 0 .* is not wrapped with CPU"):
+        get_megatron_optimizer(OptimizerConfig(lr=1e-3, optimizer_cpu_offload=True), plain)
+
+
+def test_cpu_offload_pairs_the_wrapper_and_the_optimizer(pools):
+    pools(2).run(_case_cpu_offload_pairs_the_wrapper_and_the_optimizer)
+
+
+def test_ddp_config_checks_cpu_offload():
+    assert TorchFullyShardedDataParallelConfig(cpu_offload=True).cpu_offload
+    with pytest.raises(ValueError, match="cpu_offload must be True or False, got 1"):
+        TorchFullyShardedDataParallelConfig(cpu_offload=1)
+    with pytest.raises(ValueError, match="cpu_offload=True with fp8_param_gather=True is not supported"):
+        TorchFullyShardedDataParallelConfig(cpu_offload=True, fp8_param_gather=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cpu_offload_steps_on_the_cpu_and_computes_on_the_gpu():
+    """On a GPU: the shards, gradients and Adam state stay in pinned CPU memory, the model computes
+    on the GPU, and the gradient clipping's reductions (NCCL) take the CPU gradients."""
+    import os
+
+    from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        setup_parallel(1)
+        cfg = make_config(bf16=True, params_dtype=torch.bfloat16)
+        model = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(cpu_offload=True),
+                                              GPTModel(cfg, vocab_size=64, max_sequence_length=8).cuda())
+        optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                                                           optimizer_cpu_offload=True, clip_grad=0.5), model)
+        tokens = torch.randint(0, 64, (2, 8), device="cuda")
+        loss = model(tokens, None, None, labels=tokens).float().mean()
+        assert loss.device.type == "cuda"
+        loss.backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        for p in model.module.parameters():
+            assert p.to_local().device.type == "cpu" and p.to_local().is_pinned()
+        state = optimizer.optimizer.state
+        assert state and all(v.device.type == "cpu" for s in state.values() for v in s.values() if torch.is_tensor(v))
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

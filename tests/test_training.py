@@ -216,7 +216,10 @@ def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision, t
     losses are the sharded run's up to the order of the gradient reductions. Over 2
     data-parallel ranks, once with tensor parallelism as well."""
     runs = {}
-    for name, flags in (("replicated", []), ("sharded", ["--use-torch-fsdp2"])):
+    arms = [("replicated", []), ("sharded", ["--use-torch-fsdp2"])]
+    if tp == 1:  # and with CPU offload: on CPU tensors the same arithmetic as sharded
+        arms.append(("offloaded", ["--use-torch-fsdp2", "--optimizer-cpu-offload"]))
+    for name, flags in arms:
         argv = [*MODEL, *[f for f in RUN if f != "--use-torch-fsdp2"], "--tensor-model-parallel-size", str(tp),
                 *precision, "--eval-iters", "0", *flags]
         outcomes = pools(2 * tp).run(pretrain_gpt_job, argv, timeout=400)
@@ -224,9 +227,12 @@ def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision, t
         out = "".join(text for _, text in outcomes)
         word = "sharded over" if flags else "replicated on"
         assert f"> data parallel: FSDP2, parameters {word} 2 rank(s)" in out, out[-3000:]
+        assert ("optimizer state in CPU memory" in out) == (name == "offloaded")
         runs[name] = {int(m[1]): float(m[6]) for m in map(LINE.search, out.splitlines()) if m}
     assert sorted(runs["replicated"]) == [1, 2, 3, 4, 5, 6]
     assert runs["replicated"] == pytest.approx(runs["sharded"], rel=1e-4)
+    if "offloaded" in runs:
+        assert runs["offloaded"] == runs["sharded"]
 
 
 @pytest.mark.e2e

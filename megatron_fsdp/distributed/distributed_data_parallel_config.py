@@ -125,12 +125,20 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
     `nn.Module.compile`, so the layer keeps its type and its parameter
     names, and checkpoints are the same). The first steps pay the
     compilation; FSDP2's all-gathers and reduce-scatters stay outside the
-    compiled graphs. False (the default) runs the layers eagerly."""
+    compiled graphs. False (the default) runs the layers eagerly.
+
+    cpu_offload: True keeps the sharded parameters, gradients and optimizer
+    state in CPU memory (pinned under CUDA; FSDP2's CPUOffloadPolicy): each
+    unit's parameters are copied to the device for its all-gather, gradients
+    come back after the reduce-scatter, and the optimizer steps on the CPU
+    (OptimizerConfig(optimizer_cpu_offload=True); --optimizer-cpu-offload).
+    Device memory then holds only the gathered units and activations."""
 
     reshard_after_forward: bool | int = True
     accumulate_unsharded_grads_in_no_sync: bool = False
     fsdp_copy_kernels: bool = False
     torch_compile: bool = False
+    cpu_offload: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -141,6 +149,9 @@ class TorchFullyShardedDataParallelConfig(DistributedDataParallelConfig):
             )
         if self.fp8_param_gather:
             check_fp8_reshard(value)
-        for name in ("accumulate_unsharded_grads_in_no_sync", "fsdp_copy_kernels", "torch_compile"):
+        for name in ("accumulate_unsharded_grads_in_no_sync", "fsdp_copy_kernels", "torch_compile", "cpu_offload"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.cpu_offload and self.fp8_param_gather:
+            raise ValueError("cpu_offload=True with fp8_param_gather=True is not supported: the fp8 weights are "
+                             "cast on the device for their all-gather")

@@ -98,6 +98,7 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         copy_kernels=getattr(ddp_config, "fsdp_copy_kernels", False),
         compiled=compiled,
         main_params_dtype=torch.float32 if mp_policy.param_dtype is not None else None,
+        cpu_offload=getattr(ddp_config, "cpu_offload", False),
     )
 
 

@@ -141,6 +141,7 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
         self.device_mesh = plan.mesh
         self.process_group = plan.process_group
         self.reshard_after_forward = plan.reshard_after_forward
+        self.cpu_offload = plan.cpu_offload  # the optimizer must step on the CPU (optimizer_cpu_offload)
         self.fsdp_units_in_forward_order = list(plan.units)
         self.fsdp_units = list(reversed(plan.units))  # in the order they were sharded
         self.fsdp_copy_kernels_active = plan.copy_kernels and _copy_kernels_installed()

@@ -39,12 +39,17 @@ def _reduce_over_shards(grads: list[torch.Tensor], local_stat: Callable[[torch.T
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
         groups = _shard_groups(g) if isinstance(g, DTensor) else ()
+        # The mesh's device: under FSDP2's CPU offload the shards live on the CPU, the
+        # collectives (NCCL) on the GPU.
+        device = torch.device(g.device_mesh.device_type) if isinstance(g, DTensor) else local.device
         # Keyed by group name: ProcessGroup wrappers are not unique objects.
-        buckets.setdefault(tuple(pg.group_name for pg in groups), [groups, []])[1].append(local_stat(local.detach()))
+        bucket = buckets.setdefault(tuple(pg.group_name for pg in groups), [groups, device, []])
+        bucket[2].append(local_stat(local.detach()))
     is_max = op == dist.ReduceOp.MAX
     total = None
-    for groups, values in buckets.values():
+    for groups, device, values in buckets.values():
         value = torch.stack(values).max() if is_max else torch.stack(values).sum()
+        value = value.to(device)
         for group in groups:  # one reduction per sharded mesh dimension
             dist.all_reduce(value, op=op, group=group)
         total = value if total is None else (torch.maximum(total, value) if is_max else total + value)

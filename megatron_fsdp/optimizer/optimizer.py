@@ -38,7 +38,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat
-from ..model_parallel_config import reject_unsupported_fields
 from ..utils import is_distributed, post_step_hooks
 from .clip_grads import clip_grad_norm_, count_zeros_fp32, get_grad_norm_fp32
 from .grad_scaler import MegatronGradScaler, build_grad_scaler
@@ -69,6 +68,8 @@ class OptimizerConfig:
     loss_scale_window: float = 1000
     hysteresis: int = 2
     log_num_zeros_in_grad: bool = False
+    # The optimizer steps on the CPU, where FSDP2's CPU offload keeps the sharded parameters,
+    # gradients and optimizer state (the model wrapped with cpu_offload=True; --optimizer-cpu-offload).
     optimizer_cpu_offload: bool = False
 
     def __post_init__(self):
@@ -78,7 +79,8 @@ class OptimizerConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables clipping), got {self.clip_grad}")
-        reject_unsupported_fields(self, {"optimizer_cpu_offload": False})
+        if not isinstance(self.optimizer_cpu_offload, bool):
+            raise ValueError(f"optimizer_cpu_offload must be True or False, got {self.optimizer_cpu_offload!r}")
         if self.params_dtype not in _PARAMS_DTYPES:
             raise ValueError(f"params_dtype must be one of {list(_PARAMS_DTYPES)}, got {self.params_dtype!r}")
         if self.fp16 and self.bf16:
@@ -360,6 +362,20 @@ def _check_model_precision(config: OptimizerConfig, chunks) -> None:
                              "the optimizer")
 
 
+def _check_cpu_offload(config: OptimizerConfig, chunks) -> None:
+    """optimizer_cpu_offload steps the optimizer where FSDP2's CPU offload keeps the sharded
+    parameters and gradients: the model must be wrapped so, and the optimizer must know."""
+    for i, chunk in enumerate(chunks):
+        offloaded = bool(getattr(chunk, "cpu_offload", False))
+        if config.optimizer_cpu_offload and not offloaded:
+            raise ValueError(f"OptimizerConfig.optimizer_cpu_offload=True but model chunk {i} "
+                             f"({type(chunk).__name__}) is not wrapped with CPU offload: wrap it with "
+                             "TorchFullyShardedDataParallel and TorchFullyShardedDataParallelConfig(cpu_offload=True)")
+        if offloaded and not config.optimizer_cpu_offload:
+            raise ValueError(f"model chunk {i} ({type(chunk).__name__}) is wrapped with CPU offload: set "
+                             "OptimizerConfig(optimizer_cpu_offload=True) (--optimizer-cpu-offload)")
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOptimizer:
     """AdamW (or SGD) over `model_chunks` (a module or a list of them).
 
@@ -369,6 +385,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     """
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     _check_model_precision(config, chunks)
+    _check_cpu_offload(config, chunks)
     params, mains = [], []
     # Keyed (no weight decay, plain tensor): the fused and foreach kernels
     # take a group's tensors in one call, which cannot mix DTensors with

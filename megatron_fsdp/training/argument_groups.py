@@ -186,6 +186,8 @@ def _distributed(p) -> None:
     a("--num-distributed-optimizer-instances", type=int, default=1,
       help="HSDP: replicas of the sharded model (each shards over DP / instances ranks)")
     a("--use-distributed-optimizer", action="store_true", help="shard optimizer state (always so under FSDP)")
+    a("--optimizer-cpu-offload", action="store_true",
+      help="sharded params, grads and optimizer state in CPU memory, the optimizer step on the CPU (FSDP2's offload)")
     a("--overlap-grad-reduce", action="store_true", help="overlap gradient reduction (always so under FSDP)")
     a("--overlap-param-gather", action="store_true", help="overlap parameter all-gathers (always so under FSDP)")
     a("--distributed-backend", choices=["nccl", "gloo"], default=None, help="None: nccl with GPUs, else gloo")

@@ -77,7 +77,7 @@ def ddp_config_from_args(args) -> TorchFullyShardedDataParallelConfig:
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             num_distributed_optimizer_instances=args.data_parallel_size,
             # Nothing to gather back with a shard of size 1: keep the compute-dtype copy.
-            reshard_after_forward=False, torch_compile=args.torch_compile)
+            reshard_after_forward=False, torch_compile=args.torch_compile, cpu_offload=args.optimizer_cpu_offload)
     return TorchFullyShardedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
@@ -88,7 +88,8 @@ def ddp_config_from_args(args) -> TorchFullyShardedDataParallelConfig:
         # Our copy kernels are on by default in pretrain() (the log says which serve).
         fsdp_copy_kernels=args.torch_fsdp2_copy_kernels is not False,
         torch_compile=args.torch_compile,
-        fp8_param_gather=args.fp8_param_gather)
+        fp8_param_gather=args.fp8_param_gather,
+        cpu_offload=args.optimizer_cpu_offload)
 
 
 def optimizer_config_from_args(args) -> OptimizerConfig:
@@ -97,7 +98,8 @@ def optimizer_config_from_args(args) -> OptimizerConfig:
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad, bf16=args.bf16,
         fp16=args.fp16, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis, log_num_zeros_in_grad=args.log_num_zeros_in_grad)
+        hysteresis=args.hysteresis, log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        optimizer_cpu_offload=args.optimizer_cpu_offload)
 
 
 def scheduler_kwargs_from_args(args) -> dict:

@@ -168,7 +168,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
         model = TorchFullyShardedDataParallel(get_model_config(model), args.configs.ddp, model)
         layout = "sharded over" if args.use_torch_fsdp2 else "replicated on"
         print_rank_0(f"> data parallel: FSDP2, parameters {layout} {parallel_state.get_data_parallel_world_size()} "
-                     "rank(s)")
+                     "rank(s)" + ("; sharded parameters, gradients and optimizer state in CPU memory, the "
+                                  "optimizer steps there (--optimizer-cpu-offload)" if model.cpu_offload else ""))
         print_rank_0("> FSDP2 copy ops: " + ("megatron_fsdp's kernels" if model.fsdp_copy_kernels_active else
                                             "torch's" + (" (megatron_fsdp's kernels unavailable: warned above)"
                                                          if args.configs.ddp.fsdp_copy_kernels else "")))
