@@ -37,7 +37,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base, vp_stage=vp_stage)
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor, vp_stage=vp_stage)
 
 
 def get_batch(data_iterator):

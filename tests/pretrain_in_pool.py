@@ -78,6 +78,14 @@ def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
     return _job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], main)
 
 
+def generate_gpt_job(argv: list[str]) -> tuple[int, str]:
+    """Run `generate_gpt.py *argv` on every rank of the pool: (exit code, this rank's stdout)."""
+    if os.path.join(ROOT, "examples") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+    path = os.path.join(ROOT, "examples", "generate_gpt.py")
+    return _job([path, *argv], lambda: runpy.run_path(path, run_name="__main__"))
+
+
 def script_job(path: str) -> tuple[int, str]:
     """Run the Python script at `path` as `__main__` on every rank of the pool, as torchrun would
     with the pool's world size: (exit code, this rank's stdout)."""

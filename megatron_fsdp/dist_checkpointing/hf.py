@@ -24,7 +24,8 @@ we cannot represent is refused by name.
 
 from __future__ import annotations
 
-from typing import Mapping
+import functools
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -123,55 +124,136 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t
 
 
-def hf_to_megatron_fsdp(hf_state: Mapping[str, torch.Tensor], hf: Mapping,
-                        padded_vocab_size: int | None = None) -> dict[str, torch.Tensor]:
-    """A Llama-family state dict (HF names) -> megatron_fsdp GPT's (full tensors, same dtype)."""
+# A recipe: {output name: (input names, function of those tensors)}. Applied eagerly to a state
+# dict, or one output at a time by tools/checkpoint/convert.py, which reads only its inputs.
+Recipe = dict[str, tuple[tuple[str, ...], Callable[..., torch.Tensor]]]
+
+
+def apply_recipe(recipe: Recipe, get: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: fn(*map(get, inputs)) for name, (inputs, fn) in recipe.items()}
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def hf_to_megatron_fsdp_recipe(hf: Mapping, padded_vocab_size: int | None = None) -> Recipe:
+    """How each megatron_fsdp GPT tensor (full, TP=1 names) is made from HF's tensors."""
     config, model = gpt_arguments(hf)
     heads, groups = config["num_attention_heads"], config["num_query_groups"]
     rows = padded_vocab_size or hf["vocab_size"]
-    out = {"embedding.word_embeddings.weight": _pad_rows(hf_state["model.embed_tokens.weight"], rows),
-           "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
-    if not model["share_embeddings_and_output_weights"]:
-        out["output_layer.weight"] = _pad_rows(hf_state["lm_head.weight"], rows)
+    pad = functools.partial(_pad_rows, rows=rows)
+    qkv = functools.partial(_qkv, heads=heads, groups=groups)
+    out: Recipe = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), pad)}
     for i in range(config["num_layers"]):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         attn = src + "self_attn."
-        out[dst + "input_layernorm.weight"] = hf_state[src + "input_layernorm.weight"]
-        out[dst + "self_attention.linear_qkv.weight"] = _qkv(
-            hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"], hf_state[attn + "v_proj.weight"],
-            heads, groups)
+        out[dst + "input_layernorm.weight"] = ((src + "input_layernorm.weight",), _same)
+        out[dst + "self_attention.linear_qkv.weight"] = (
+            tuple(f"{attn}{n}_proj.weight" for n in "qkv"), qkv)
         if config["add_qkv_bias"]:
-            out[dst + "self_attention.linear_qkv.bias"] = _qkv(
-                hf_state[attn + "q_proj.bias"], hf_state[attn + "k_proj.bias"], hf_state[attn + "v_proj.bias"],
-                heads, groups)
-        out[dst + "self_attention.linear_proj.weight"] = hf_state[attn + "o_proj.weight"]
-        out[dst + "pre_mlp_layernorm.weight"] = hf_state[src + "post_attention_layernorm.weight"]
-        gate, up = hf_state[src + "mlp.gate_proj.weight"], hf_state[src + "mlp.up_proj.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat((gate, up))
-        out[dst + "mlp.linear_fc2.weight"] = hf_state[src + "mlp.down_proj.weight"]
+            out[dst + "self_attention.linear_qkv.bias"] = (tuple(f"{attn}{n}_proj.bias" for n in "qkv"), qkv)
+        out[dst + "self_attention.linear_proj.weight"] = ((attn + "o_proj.weight",), _same)
+        out[dst + "pre_mlp_layernorm.weight"] = ((src + "post_attention_layernorm.weight",), _same)
+        out[dst + "mlp.linear_fc1.weight"] = ((src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"),
+                                              lambda gate, up: torch.cat((gate, up)))
+        out[dst + "mlp.linear_fc2.weight"] = ((src + "mlp.down_proj.weight",), _same)
+    out["decoder.final_layernorm.weight"] = (("model.norm.weight",), _same)
+    if not model["share_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = (("lm_head.weight",), pad)
     return out
+
+
+def megatron_fsdp_to_hf_recipe(hf: Mapping) -> Recipe:
+    """How each HF tensor is made from megatron_fsdp GPT's (full, TP=1 names); padded
+    vocabulary rows dropped."""
+    config, model = gpt_arguments(hf)
+    heads, groups, vocab = config["num_attention_heads"], config["num_query_groups"], hf["vocab_size"]
+
+    def rows(t):
+        return t[:vocab].contiguous()
+
+    def qkv_part(k):
+        return lambda t: _split_qkv(t, heads, groups)[k].contiguous()
+
+    out: Recipe = {"model.embed_tokens.weight": (("embedding.word_embeddings.weight",), rows)}
+    for i in range(config["num_layers"]):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = ((src + "input_layernorm.weight",), _same)
+        for k, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[f"{dst}self_attn.{name}.weight"] = ((src + "self_attention.linear_qkv.weight",), qkv_part(k))
+            if config["add_qkv_bias"]:
+                out[f"{dst}self_attn.{name}.bias"] = ((src + "self_attention.linear_qkv.bias",), qkv_part(k))
+        out[dst + "self_attn.o_proj.weight"] = ((src + "self_attention.linear_proj.weight",), _same)
+        out[dst + "post_attention_layernorm.weight"] = ((src + "pre_mlp_layernorm.weight",), _same)
+        out[dst + "mlp.gate_proj.weight"] = ((src + "mlp.linear_fc1.weight",), lambda t: t.chunk(2)[0].contiguous())
+        out[dst + "mlp.up_proj.weight"] = ((src + "mlp.linear_fc1.weight",), lambda t: t.chunk(2)[1].contiguous())
+        out[dst + "mlp.down_proj.weight"] = ((src + "mlp.linear_fc2.weight",), _same)
+    out["model.norm.weight"] = (("decoder.final_layernorm.weight",), _same)
+    if not model["share_embeddings_and_output_weights"]:
+        out["lm_head.weight"] = (("output_layer.weight",), rows)
+    return out
+
+
+def hf_to_megatron_fsdp(hf_state: Mapping[str, torch.Tensor], hf: Mapping,
+                        padded_vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """A Llama-family state dict (HF names) -> megatron_fsdp GPT's (full tensors, same dtype)."""
+    return apply_recipe(hf_to_megatron_fsdp_recipe(hf, padded_vocab_size), hf_state.__getitem__)
 
 
 def megatron_fsdp_to_hf(state: Mapping[str, torch.Tensor], hf: Mapping) -> dict[str, torch.Tensor]:
     """megatron_fsdp GPT's full state dict -> HF names, padded vocabulary rows dropped."""
+    return apply_recipe(megatron_fsdp_to_hf_recipe(hf), state.__getitem__)
+
+
+def model_args(hf: Mapping) -> dict:
+    """The pretraining flags (destination names) of the model a config.json describes: what
+    a converted checkpoint stores for --use-checkpoint-args, and what convert.py prints."""
     config, model = gpt_arguments(hf)
-    heads, groups, vocab = config["num_attention_heads"], config["num_query_groups"], hf["vocab_size"]
-    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab],
-           "model.norm.weight": state["decoder.final_layernorm.weight"]}
-    if not model["share_embeddings_and_output_weights"]:
-        out["lm_head.weight"] = state["output_layer.weight"][:vocab]
-    for i in range(config["num_layers"]):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
-        names = ("q_proj", "k_proj", "v_proj")
-        for name, t in zip(names, _split_qkv(state[src + "self_attention.linear_qkv.weight"], heads, groups)):
-            out[f"{dst}self_attn.{name}.weight"] = t
-        if config["add_qkv_bias"]:
-            for name, t in zip(names, _split_qkv(state[src + "self_attention.linear_qkv.bias"], heads, groups)):
-                out[f"{dst}self_attn.{name}.bias"] = t
-        out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
-        gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2)
-        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
-        out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
-    return {k: v.contiguous() for k, v in out.items()}
+    return dict(
+        num_layers=config["num_layers"], hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["ffn_hidden_size"], num_attention_heads=config["num_attention_heads"],
+        group_query_attention=config["num_query_groups"] != config["num_attention_heads"],
+        num_query_groups=config["num_query_groups"],
+        kv_channels=config["hidden_size"] // config["num_attention_heads"], swiglu=True, normalization="RMSNorm",
+        norm_epsilon=config["layernorm_epsilon"], disable_bias_linear=True, add_qkv_bias=config["add_qkv_bias"],
+        position_embedding_type="rope", rotary_base=model["rotary_base"], rotary_percent=1.0,
+        use_rope_scaling=model["rope_scaling"], rope_scaling_factor=model["rope_scaling_factor"],
+        max_position_embeddings=model["max_sequence_length"],
+        untie_embeddings_and_output_weights=not model["share_embeddings_and_output_weights"])
+
+
+def hf_config(args: Mapping, vocab_size: int, dtype: torch.dtype) -> dict:
+    """The config.json of the model that pretraining flags `args` (destination names, as a
+    checkpoint stores them) describe; raises for a model HF's Llama family cannot hold."""
+    problems = [f"--{flag}" for flag, ok in (
+        ("swiglu", args.get("swiglu")), ("normalization RMSNorm", args.get("normalization") == "RMSNorm"),
+        ("position-embedding-type rope", args.get("position_embedding_type") == "rope"),
+        ("disable-bias-linear", args.get("disable_bias_linear")),
+        ("rotary-percent 1.0", args.get("rotary_percent", 1.0) == 1.0)) if not ok]
+    heads, hidden = args["num_attention_heads"], args["hidden_size"]
+    if args.get("kv_channels") not in (None, hidden // heads):
+        problems.append(f"--kv-channels {hidden // heads} (hidden / heads)")
+    if problems:
+        raise NotImplementedError("a Hugging Face Llama-family model needs " + ", ".join(problems)
+                                  + f"; the checkpoint's flags are {dict(args)}")
+    qwen2 = bool(args.get("add_qkv_bias"))
+    groups = args["num_query_groups"] if args.get("group_query_attention") else heads
+    out = {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "hidden_size": hidden, "intermediate_size": args["ffn_hidden_size"],
+        "num_hidden_layers": args["num_layers"], "num_attention_heads": heads, "num_key_value_heads": groups,
+        "head_dim": hidden // heads, "hidden_act": "silu", "rms_norm_eps": args.get("norm_epsilon", 1e-5),
+        "vocab_size": vocab_size, "max_position_embeddings": args["max_position_embeddings"],
+        "rope_theta": float(args.get("rotary_base", 10000)),
+        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "use_cache": True, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if qwen2:
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=args["num_layers"])
+    if args.get("use_rope_scaling"):
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": float(args.get("rope_scaling_factor", 8.0)),
+                               **_LLAMA3_FIXED}
+    return out

@@ -33,10 +33,13 @@ def _network_size(p) -> None:
       help="position embedding")
     a("--rotary-percent", type=float, default=1.0, help="share of each head's channels that RoPE rotates")
     a("--rotary-base", type=int, default=10000, help="RoPE base period")
+    a("--use-rope-scaling", action="store_true", help="Llama 3.1's RoPE frequency scaling")
+    a("--rope-scaling-factor", type=float, default=8.0, help="the factor of --use-rope-scaling")
     a("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm", help="normalization layers")
     a("--norm-epsilon", type=float, default=1e-5, help="normalization epsilon")
     a("--swiglu", action="store_true", help="SwiGLU MLP (gated, SiLU)")
     a("--disable-bias-linear", action="store_true", help="linear layers without biases")
+    a("--add-qkv-bias", action="store_true", help="biases on the query, key and value projections (Qwen2)")
     a("--untie-embeddings-and-output-weights", action="store_true",
       help="separate input embedding and output layer weights")
 
@@ -132,6 +135,8 @@ def _checkpointing(p) -> None:
     a("--no-load-rng", action="store_true", help="do not load the RNG states")
     a("--exit-on-missing-checkpoint", action="store_true", help="stop when --load holds no checkpoint")
     a("--no-verify-checkpoint", action="store_true", help="skip the checksum check when loading")
+    a("--use-checkpoint-args", action="store_true",
+      help="the model flags stored in --load's checkpoint override the command line's")
 
 
 def _mixed_precision(p) -> None:

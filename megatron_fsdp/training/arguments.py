@@ -37,9 +37,40 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         p = extra_args_provider(p)
     if defaults:
         p.set_defaults(**defaults)
+    stored = _checkpoint_args(p, sys.argv[1:] if argv is None else argv)
+    if stored:
+        # The stored flags stand in for required ones the command line leaves out.
+        for action in p._actions:
+            if action.dest in stored:
+                action.required = False
     args = p.parse_args(argv)
+    for name, value in (stored or {}).items():
+        if getattr(args, name, value) != value and int(os.environ.get("RANK", "0")) == 0:
+            print(f"> --use-checkpoint-args: --{name.replace('_', '-')} {value!r} from the checkpoint replaces "
+                  f"{getattr(args, name)!r}", flush=True)
+        setattr(args, name, value)
     _validate(p, args)
     return args
+
+
+def _checkpoint_args(parser, argv) -> Optional[dict]:
+    """Megatron-LM's --use-checkpoint-args: the model flags stored in --load's latest checkpoint
+    (training state saved by pretrain(), or written by tools/checkpoint/convert.py), read by each
+    rank from the files, before any process group exists. None without the flag."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--use-checkpoint-args", action="store_true")
+    pre.add_argument("--load", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if not known.use_checkpoint_args:
+        return None
+    if not known.load:
+        parser.error("--use-checkpoint-args needs --load")
+    from .offline_checkpoint import stored_model_args
+
+    try:
+        return stored_model_args(known.load)
+    except Exception as exc:  # CheckpointError, OSError: one line, as any flag error
+        parser.error(f"--use-checkpoint-args: {exc}")
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

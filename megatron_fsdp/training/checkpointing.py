@@ -527,7 +527,9 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
 # Flags that fix the model's architecture: a checkpoint resumes only into the same ones.
 _ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                       "kv_channels", "swiglu", "normalization", "position_embedding_type",
-                      "untie_embeddings_and_output_weights", "disable_bias_linear", "max_position_embeddings")
+                      "untie_embeddings_and_output_weights", "disable_bias_linear", "max_position_embeddings",
+                      "group_query_attention", "add_qkv_bias", "norm_epsilon", "rotary_base", "rotary_percent",
+                      "use_rope_scaling", "rope_scaling_factor")
 
 
 def save_training_checkpoint(args, iteration: int, model, optimizer, opt_param_scheduler,

@@ -42,7 +42,7 @@ def core_transformer_config_from_args(args, config_class=None):
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear,
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, bf16=args.bf16, fp16=args.fp16,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,

@@ -1,0 +1,234 @@
+"""tools/checkpoint/convert.py between Hugging Face directories and our checkpoints, against
+`transformers`: a tiny random Llama (GQA, untied), Qwen2 (q/k/v biases, tied) and a Llama 3.1
+(rope scaling) saved by `transformers` convert to our checkpoint, which loads at TP 1 and 2 with
+the HF logits and whose stored flags build the model (--use-checkpoint-args); converted back they
+are the same files' tensors bit for bit; a model trained at TP 2 x DP 2 by pretrain_gpt.py exports
+to a directory `transformers` loads with our logits; bad inputs are one line, nothing written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_hf_interchange import _hf_model
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
+
+
+def _convert(*args, expect_ok=True):
+    proc = subprocess.run([sys.executable, CONVERT, "--model-type", "GPT", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert (proc.returncode == 0) == expect_ok, proc.stdout + proc.stderr
+    return proc
+
+
+def _hf_dir(tmp_path, name, **save_kwargs):
+    model, _ = _hf_model(name)
+    path = str(tmp_path / f"hf-{name}")
+    model.save_pretrained(path, **save_kwargs)
+    return model, path
+
+
+def _our_logits(ckpt, tp, ids):
+    """Our GPT built from the checkpoint's stored flags (as --use-checkpoint-args reads them),
+    loaded at TP=`tp`: the full logits of `ids`."""
+    from megatron_fsdp import parallel_state, tensor_parallel
+    from megatron_fsdp.models.gpt import GPTModel
+    from megatron_fsdp.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron_fsdp.training.checkpointing import load_checkpoint
+    from megatron_fsdp.training.offline_checkpoint import stored_model_args
+    from megatron_fsdp.transformer import TransformerConfig
+    import torch.nn.functional as F
+
+    args = stored_model_args(ckpt)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
+        num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=args["norm_epsilon"],
+        add_bias_linear=False, add_qkv_bias=args["add_qkv_bias"], hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp)
+    vocab = 128  # 100 padded to a multiple of 128 (x TP 2 = 256 at TP 2: loaded across the padding)
+    padded = vocab * tp
+    model = GPTModel(config, vocab_size=padded, max_sequence_length=args["max_position_embeddings"],
+                     position_embedding_type="rope", rotary_base=args["rotary_base"],
+                     rope_scaling=args["use_rope_scaling"], rope_scaling_factor=args["rope_scaling_factor"],
+                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"]).eval()
+    loaded = load_checkpoint(model, None, None, ckpt, load_optim=False, true_vocab_size=100)
+    assert not loaded["rng_restored"]
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), attention_mask=None)
+        if tp > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :100]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama3"])
+def test_hf_to_ours_gives_the_hf_logits_at_tp_1_and_2_and_converts_back_exactly(pools, tmp_path, name):
+    hf_model, hf_dir = _hf_dir(tmp_path, name)
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+    out = _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", hf_dir, "--save-dir", ckpt).stdout
+    assert "model flags: --num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4" in out
+    assert "--swiglu --normalization RMSNorm" in out and "--position-embedding-type rope" in out
+    seq = 256 if name == "llama3" else 16
+    ids = torch.randint(0, 100, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+    for tp in (1, 2):
+        logits = pools(tp).run(_our_logits, ckpt, tp, ids)[0]
+        torch.testing.assert_close(logits, expected, atol=2e-5, rtol=2e-5, msg=lambda m: f"TP={tp}: {m}")
+    _convert("--loader", "megatron_fsdp", "--saver", "hf", "--load-dir", ckpt, "--save-dir", back)
+    from safetensors.torch import load_file
+
+    original, converted = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(
+        os.path.join(back, "model.safetensors"))
+    assert original.keys() == converted.keys()
+    assert all(torch.equal(original[k], converted[k]) and original[k].dtype == converted[k].dtype for k in original)
+    reloaded = getattr(transformers, type(hf_model).__name__).from_pretrained(back).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, expected, atol=0, rtol=0)
+
+
+def test_sharded_hf_directories_both_ways_and_saver_dtype(tmp_path):
+    hf_model, hf_dir = _hf_dir(tmp_path, "llama", max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json"))
+    ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
+    _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", hf_dir, "--save-dir", ckpt,
+             "--saver-dtype", "bf16")
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+    _convert("--loader", "megatron_fsdp", "--saver", "hf", "--load-dir", ckpt, "--save-dir", back,
+             "--max-shard-size", "30000", "--tokenizer-model", str(tokenizer))
+    index = json.load(open(os.path.join(back, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert os.path.isfile(os.path.join(back, "tokenizer.json"))
+    config = json.load(open(os.path.join(back, "config.json")))
+    assert config["torch_dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLM"]
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(back, torch_dtype=torch.float32)
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor.to(torch.bfloat16).float()), name
+
+
+def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path):
+    _, hf_dir = _hf_dir(tmp_path, "llama", max_shard_size="40KB")
+    target = tmp_path / "out"
+
+    def refused(load_dir, match, *extra):
+        proc = _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", str(load_dir),
+                        "--save-dir", str(target), *extra, expect_ok=False)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("convert.py: error:") and match in lines[0], proc.stderr
+        assert not target.exists() or not any(p for p in target.iterdir() if not p.name.startswith(".")), \
+            list(target.iterdir())
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused(empty, "has no config.json")
+    shard = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))[-1]
+    os.rename(os.path.join(hf_dir, shard), os.path.join(tmp_path, shard))
+    refused(hf_dir, f"names {shard}, which")
+    os.rename(os.path.join(tmp_path, shard), os.path.join(hf_dir, shard))
+    config_path = os.path.join(hf_dir, "config.json")
+    config = json.load(open(config_path))
+    json.dump({**config, "architectures": ["GPT2LMHeadModel"]}, open(config_path, "w"))
+    refused(hf_dir, "architectures ['GPT2LMHeadModel']: supported are LlamaForCausalLM")
+    json.dump({**config, "intermediate_size": 80}, open(config_path, "w"))
+    refused(hf_dir, "mlp.gate_proj.weight: [96, 64], the config says [80, 64]")
+    json.dump(config, open(config_path, "w"))
+    # A non-empty --save-dir of the HF saver is not overwritten.
+    ckpt = tmp_path / "ckpt"
+    _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", hf_dir, "--save-dir", str(ckpt))
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    proc = _convert("--loader", "megatron_fsdp", "--saver", "hf", "--load-dir", str(ckpt), "--save-dir",
+                    str(occupied), expect_ok=False)
+    assert "is not an empty directory: not overwriting it" in proc.stderr
+    assert os.listdir(occupied) == ["keep.txt"]
+
+
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_finetune_from_converted_at_tp2_dp2_then_export_gives_our_logits_in_transformers(pools, tmp_path):
+    """HF -> ours; pretrain_gpt.py --load --finetune --use-checkpoint-args at TP 2 x DP 2 (the
+    model flags from the checkpoint, none on the command line) trains 2 steps and saves; that
+    checkpoint exported -> transformers gives the logits of our model loaded from it. A tiny
+    learning rate keeps the weights next to the original, so the export also gives the original
+    model's logits: the fine-tuning started from the converted weights."""
+    from pretrain_in_pool import pretrain_gpt_job
+
+    hf_model, hf_dir = _hf_dir(tmp_path, "llama")
+    converted, trained, exported = (str(tmp_path / n) for n in ("converted", "trained", "exported"))
+    _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", hf_dir, "--save-dir", converted)
+    argv = ["--load", converted, "--finetune", "--use-checkpoint-args", "--use-torch-fsdp2",
+            "--tensor-model-parallel-size", "2", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--lr", "1e-7", "--train-iters", "2", "--mock-data", "--vocab-size", "100",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--num-workers", "0",
+            "--log-interval", "1", "--save", trained, "--save-interval", "2"]
+    outcomes = pools(4).run(pretrain_gpt_job, argv, timeout=400)
+    out = "".join(text for _, text in outcomes)
+    assert all(code == 0 for code, _ in outcomes), out[-3000:]
+    assert "iteration        2/       2" in out, out[-3000:]
+    _convert("--loader", "megatron_fsdp", "--saver", "hf", "--load-dir", trained, "--save-dir", exported)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(exported).eval()
+    assert any(not torch.equal(reloaded.state_dict()[k], v) for k, v in hf_model.state_dict().items())
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = reloaded(ids).logits
+        original = hf_model(ids).logits
+    torch.testing.assert_close(got, pools(1).run(_our_logits, trained, 1, ids)[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, original, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow  # generate_gpt.py in the worker pool
+def test_greedy_generation_from_a_converted_checkpoint_is_transformers(pools, tmp_path):
+    """generate_gpt.py --load CONVERTED --use-checkpoint-args at TP 2 (the prompt as token ids,
+    NullTokenizer) generates the tokens transformers' greedy generate() does."""
+    import re
+
+    from pretrain_in_pool import generate_gpt_job
+
+    hf_model, hf_dir = _hf_dir(tmp_path, "qwen2")
+    converted = str(tmp_path / "converted")
+    _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", hf_dir, "--save-dir", converted)
+    prompt = [5, 17, 42, 3, 99, 0]
+    outcomes = pools(2).run(generate_gpt_job, [
+        "--load", converted, "--use-checkpoint-args", "--tensor-model-parallel-size", "2", "--seq-length", "32",
+        "--vocab-size", "100", "--prompts", " ".join(map(str, prompt)), "--num-tokens-to-generate", "10",
+        "--greedy"], timeout=300)
+    out = "".join(text for _, text in outcomes)
+    assert all(code == 0 for code, _ in outcomes), out[-3000:]
+    ours = [int(t) for t in re.search(r"> generated: '([\d ]*)'", out)[1].split()]
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(ours) == 10 and ours == theirs
+
+
+@pytest.mark.e2e  # torchrun and two conversions, as a user runs them
+def test_readme_from_and_to_hugging_face_runs_as_written(tmp_path):
+    """The README's "From and to Hugging Face" commands, as written, in a directory holding a tiny
+    Llama as `llama-hf` (and the repository's tools/ and examples/)."""
+    import re
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("### From and to Hugging Face", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
+    hf_model, _ = _hf_model("llama")
+    hf_model.save_pretrained(str(tmp_path / "llama-hf"))
+    for name in ("tools", "examples"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("model flags: --num-layers 2") == 2
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "llama-ft-hf"))
+    assert reloaded.state_dict().keys() == hf_model.state_dict().keys()

@@ -1,0 +1,85 @@
+"""Convert checkpoints between Hugging Face model directories and megatron_fsdp's
+(Megatron-LM's tools/checkpoint/convert.py, its flags).
+
+    # Hugging Face -> ours, then fine-tune (any TP x DP: the checkpoint reshards on load)
+    python tools/checkpoint/convert.py --model-type GPT --loader hf --saver megatron_fsdp \\
+        --load-dir llama-dir --save-dir ckpt
+    torchrun ... examples/pretrain_gpt.py --load ckpt --finetune --use-checkpoint-args ...
+
+    # ours (saved at any TP x DP layout) -> Hugging Face
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron_fsdp --saver hf \\
+        --load-dir ckpt --save-dir hf-dir --tokenizer-model tokenizer.json
+
+Loaders and savers: `hf` (config.json and model.safetensors, or shards with
+model.safetensors.index.json) and `megatron_fsdp` (a checkpoint directory:
+tracker, iter_*). One process, no GPU: tensors are read and written one at a
+time (the HF saver holds one shard), keeping their dtype unless
+--saver-dtype says otherwise. The model flags the checkpoint stands for are
+printed; an error is one line, and nothing is left in --save-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-type", required=True, choices=["GPT"], help="the model family (GPT only)")
+    p.add_argument("--loader", required=True, choices=["hf", "megatron_fsdp"], help="the source's format")
+    p.add_argument("--saver", required=True, choices=["hf", "megatron_fsdp"], help="the target's format")
+    p.add_argument("--load-dir", required=True, help="the source directory")
+    p.add_argument("--save-dir", required=True, help="the target directory (missing or empty for --saver hf)")
+    p.add_argument("--saver-dtype", choices=DTYPES, default=None, help="the target's dtype (None: the source's)")
+    p.add_argument("--load-iteration", type=int, default=None,
+                   help="--loader megatron_fsdp: this iteration (None: the tracker's)")
+    p.add_argument("--no-verify-checkpoint", action="store_true", help="--loader megatron_fsdp: skip checksums")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="--loader hf: the vocabulary padding (Megatron-LM's, at TP=1)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="--saver hf: a tokenizer.json (or its folder) to copy into --save-dir")
+    p.add_argument("--max-shard-size", type=int, default=5 * 2 ** 30,
+                   help="--saver hf: bytes per safetensors shard (above it: shards and an index)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    from megatron_fsdp.dist_checkpointing.core import CheckpointError
+    from megatron_fsdp.training import checkpoint_conversion as conversion
+
+    warnings.filterwarnings("ignore", "torch.distributed is disabled")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.saver_dtype)
+    try:
+        if args.loader == "hf":
+            model = conversion.load_hf(args.load_dir, args.make_vocab_size_divisible_by)
+        else:
+            model = conversion.load_megatron_fsdp(args.load_dir, args.load_iteration,
+                                                  verify=not args.no_verify_checkpoint)
+        if args.saver == "hf":
+            conversion.save_hf(model, args.save_dir, dtype=dtype, max_shard_bytes=args.max_shard_size,
+                               tokenizer_model=args.tokenizer_model)
+            where = args.save_dir
+        else:
+            where = conversion.save_megatron_fsdp(model, args.save_dir, dtype=dtype, source=args.loader)
+    except (CheckpointError, NotImplementedError, ValueError, OSError) as exc:
+        print(f"convert.py: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"converted {args.load_dir} ({args.loader}) -> {where} ({args.saver}): {len(model.spec)} tensors, "
+          f"vocabulary {model.true_vocab_size}")
+    print(f"model flags: {conversion.model_flags(model.args)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
