@@ -66,6 +66,22 @@ if [ "$(cat "$CV/.torch_requirement" 2>/dev/null || true)" != "$torch_req" ] \
   say "installed in $((SECONDS - t0))s"
 fi
 torch_version="$("$PYC" -c 'import torch; print(torch.__version__, torch.version.cuda)')"
+# megatron-core, for the test that Megatron-Core loads our torch_dist export (it imports Triton: a
+# CUDA torch; its wheel says Python >= 3.12, its pure-Python parts run here): unpacked, not installed.
+# Where the index does not have it, that one test is skipped (said here).
+MCORE="$CV/megatron_core-0.19.2"
+if [ ! -d "$MCORE/megatron" ]; then
+  rm -rf "$MCORE" "$CV/wheels" && mkdir -p "$CV/wheels"
+  if "$PYC" -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: megatron-core==0.19.2 \
+       -d "$CV/wheels" && "$PYC" -m pip install -q psutil \
+     && "$PYC" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
+       "$(ls "$CV"/wheels/megatron_core-*.whl)" "$MCORE"; then
+    say "megatron-core 0.19.2 unpacked into $MCORE"
+  else
+    rm -rf "$MCORE"
+    say "megatron-core 0.19.2 is not available: the test of Megatron-Core loading our export is skipped"
+  fi
+fi
 
 arch_list="${MEGATRON_FSDP_CUDA_ARCH_LIST:-${TORCH_CUDA_ARCH_LIST:-9.0}}"
 BUILD="$CV/megatron_fsdp_build"
@@ -116,12 +132,13 @@ rm -f "$TREE"/megatron_fsdp/_C*.so "$TREE"/megatron_fsdp/_C*.json
 ln -s "$so" "$TREE/megatron_fsdp/$(basename "$so")"
 [ ! -f "$so.build.json" ] || ln -s "$so.build.json" "$TREE/megatron_fsdp/$(basename "$so").build.json"
 tests=(tests/test_device_copy_kernels.py tests/test_copy_plan_cache.py tests/test_kernels.py tests/test_amax_kernel.py
-       tests/test_fp8_cast_transpose.py tests/test_fsdp_copy_kernels.py tests/test_triton_activations.py)  # the last: Triton's interpreter
+       tests/test_fp8_cast_transpose.py tests/test_fsdp_copy_kernels.py tests/test_triton_activations.py  # Triton's interpreter
+       tests/test_mcore_interchange.py::test_megatron_core_loads_our_export_with_the_same_logits)  # megatron-core
 say "host-side tests of the CUDA build under torch $torch_version: ${tests[*]}"
 t0=$SECONDS
 (
   cd "$TREE"
-  export PYTHONPATH="$TREE" MEGATRON_FSDP_REQUIRE_EXTENSION=1
+  export PYTHONPATH="$TREE${MCORE:+:$MCORE}" MEGATRON_FSDP_REQUIRE_EXTENSION=1
   "$PYC" -c "
 from megatron_fsdp import kernels
 import os, sys

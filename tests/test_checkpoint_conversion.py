@@ -83,7 +83,7 @@ def test_hf_to_ours_gives_the_hf_logits_at_tp_1_and_2_and_converts_back_exactly(
         expected = hf_model(ids).logits
     for tp in (1, 2):
         logits = pools(tp).run(_our_logits, ckpt, tp, ids)[0]
-        torch.testing.assert_close(logits, expected, atol=2e-5, rtol=2e-5, msg=lambda m: f"TP={tp}: {m}")
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"TP={tp}: {m}")
     _convert("--loader", "megatron_fsdp", "--saver", "hf", "--load-dir", ckpt, "--save-dir", back)
     from safetensors.torch import load_file
 

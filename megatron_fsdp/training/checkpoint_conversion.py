@@ -1,5 +1,6 @@
-"""Checkpoint conversion between Hugging Face model directories and our
-checkpoints (tools/checkpoint/convert.py, Megatron-LM's tool name and flags).
+"""Checkpoint conversion between Hugging Face model directories, Megatron-Core's
+torch_dist checkpoints and ours (tools/checkpoint/convert.py, Megatron-LM's tool
+name and flags).
 
 A loader opens its source and describes the model as megatron_fsdp's GPT
 sees it at TP=1: the pretraining flags (destination names), the true
@@ -24,6 +25,7 @@ import torch
 from ..dist_checkpointing import hf as hf_mapping
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.hf_directory import HFDirectory, write_hf_directory
+from ..dist_checkpointing.mcore import McoreReader, write_mcore_checkpoint
 from .offline_checkpoint import CheckpointReader, write_checkpoint
 
 Spec = dict[str, tuple[torch.Size, torch.dtype]]
@@ -110,6 +112,66 @@ def load_megatron_fsdp(path: str, iteration: Optional[int] = None, verify: bool 
     spec = {name: (reader.shape(name), reader.dtype(name)) for name in reader.names()}
     vocab = reader.true_vocab_size or int(spec["embedding.word_embeddings.weight"][0][0])
     return Model(dict(reader.args), vocab, spec, reader.tensor)
+
+
+_VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# Megatron-LM's names of the flags a GPT's architecture needs (ours are the same).
+_MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
+               "num_query_groups", "kv_channels", "swiglu", "normalization", "norm_epsilon", "disable_bias_linear",
+               "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
+               "rope_scaling_factor", "max_position_embeddings", "untie_embeddings_and_output_weights")
+
+
+def load_mcore(path: str, iteration: Optional[int] = None, true_vocab_size: Optional[int] = None) -> Model:
+    """A Megatron-Core torch_dist checkpoint (dist_checkpointing/mcore.py): model weights, each
+    layer's tensor read alone from its stacked tensor; the flags from its stored `args`."""
+    reader = McoreReader(path, iteration)
+    args = {k: reader.args[k] for k in _MODEL_ARGS if k in reader.args}
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in args]
+    if missing:
+        raise CheckpointError(f"{reader.path}: its stored args lack {', '.join(missing)}: its architecture is unknown")
+    layers = reader.layers()
+    names = [n for n in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")]
+    for i in range(layers):
+        for rest in ("input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_qkv.weight",
+                     "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
+                     "self_attention.linear_proj.bias", "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
+                     "mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"):
+            names.append(f"decoder.layers.{i}.{rest}")
+    spec = {}
+    for name in names:
+        try:
+            spec[name] = (reader.shape(name), reader.dtype(name))
+        except CheckpointError:
+            if name.endswith((".bias", "output_layer.weight")):
+                continue  # a model without biases, with tied embeddings
+            raise
+    rows = int(spec["embedding.word_embeddings.weight"][0][0])
+    vocab = true_vocab_size or reader.args.get("vocab_size") or rows
+    return Model(args, int(vocab), spec, reader.tensor)
+
+
+def save_mcore(model: Model, save_dir: str, *, dtype: Optional[torch.dtype] = None, target_tensor_parallel_size: int = 1,
+               make_vocab_size_divisible_by: int = 128, iteration: int = 0) -> str:
+    """Write a Megatron-Core torch_dist checkpoint (weights; the flags as its stored `args`), the
+    vocabulary padded as Megatron-LM pads it for `target_tensor_parallel_size`."""
+    multiple = make_vocab_size_divisible_by * target_tensor_parallel_size
+    padded = math.ceil(model.true_vocab_size / multiple) * multiple
+    spec = dict(_dtype_of(model.spec, dtype))
+    for name in _VOCAB_ROWS:
+        if name in spec:
+            spec[name] = (torch.Size([padded, *spec[name][0][1:]]), spec[name][1])
+
+    def produce(name):
+        t = model.get(name).to(spec[name][1])
+        if name in _VOCAB_ROWS:
+            t = hf_mapping._pad_rows(t[:model.true_vocab_size], padded)
+        return t
+
+    args = dict(model.args, padded_vocab_size=padded, vocab_size=model.true_vocab_size,
+                tensor_model_parallel_size=target_tensor_parallel_size, pipeline_model_parallel_size=1,
+                make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    return write_mcore_checkpoint(save_dir, spec, produce, args=args, iteration=iteration)
 
 
 def _dtype_of(spec: Spec, dtype: Optional[torch.dtype]) -> Spec:

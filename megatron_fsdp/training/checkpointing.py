@@ -332,6 +332,10 @@ def _read_entries(path: str, saved: dict, model: nn.Module) -> dict:
         except Exception as exc:
             raise CheckpointError(f"checkpoint {path}: {_COMMON} is corrupt ({exc})") from exc
     if _TRAIN_STATE not in saved:
+        if os.path.isfile(os.path.join(path, "metadata.json")):
+            raise CheckpointError(f"checkpoint {path} is a Megatron-Core distributed checkpoint: convert it with "
+                                  "tools/checkpoint/convert.py --loader mcore --saver megatron_fsdp, then load "
+                                  "that with --finetune")
         raise CheckpointError(f"checkpoint {path} has neither a {_TRAIN_STATE} entry nor {_COMMON}: not a "
                               "checkpoint of this format")
     names = [n for n in (_TRAIN_STATE, "opt_param_scheduler", "grad_scaler", *checkpoint_states(model)) if n in saved]
