@@ -124,3 +124,37 @@ def rewrite_as_format_2(checkpoint: str, **common_extra) -> None:
     os.makedirs(os.path.join(checkpoint, "rng"), exist_ok=True)
     for name, state in found.items():
         torch.save(state, os.path.join(checkpoint, "rng", f"{name[len('rng.'):]}.pt"))
+
+
+def converted_logits(ckpt: str, tp: int, ids: torch.Tensor, true_vocab_size: int) -> torch.Tensor:
+    """Our GPT built from the model flags a checkpoint stores (as --use-checkpoint-args reads
+    them), loaded from it at TP=`tp` across the vocabulary padding: the full logits of `ids`
+    over the true vocabulary. A pool case (it initializes model parallelism)."""
+    import torch.nn.functional as F
+
+    from megatron_fsdp.models.gpt import GPTModel
+    from megatron_fsdp.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from megatron_fsdp.training.checkpointing import load_checkpoint
+    from megatron_fsdp.training.offline_checkpoint import stored_model_args
+
+    a = stored_model_args(ckpt)
+    setup_parallel(tp, seed=0)
+    config = TransformerConfig(
+        num_layers=a["num_layers"], hidden_size=a["hidden_size"], ffn_hidden_size=a["ffn_hidden_size"],
+        num_attention_heads=a["num_attention_heads"], num_query_groups=a["num_query_groups"],
+        gated_linear_unit=a["swiglu"], activation_func=F.silu if a["swiglu"] else F.gelu,
+        normalization=a["normalization"], layernorm_epsilon=a["norm_epsilon"],
+        add_bias_linear=not a["disable_bias_linear"], add_qkv_bias=a.get("add_qkv_bias", False),
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp)
+    padded = -(-true_vocab_size // (128 * tp)) * 128 * tp  # Megatron's padding at this TP size
+    model = GPTModel(config, vocab_size=padded, max_sequence_length=a["max_position_embeddings"],
+                     position_embedding_type="rope", rotary_base=a["rotary_base"],
+                     rope_scaling=a.get("use_rope_scaling", False), rope_scaling_factor=a.get("rope_scaling_factor", 8.0),
+                     share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"]).eval()
+    assert not load_checkpoint(model, None, None, ckpt, load_optim=False, true_vocab_size=true_vocab_size)[
+        "rng_restored"]
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), attention_mask=None)
+        if tp > 1:
+            logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :true_vocab_size]

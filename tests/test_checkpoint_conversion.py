@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from helpers import converted_logits
 from test_hf_interchange import _hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -35,41 +36,6 @@ def _hf_dir(tmp_path, name, **save_kwargs):
     return model, path
 
 
-def _our_logits(ckpt, tp, ids):
-    """Our GPT built from the checkpoint's stored flags (as --use-checkpoint-args reads them),
-    loaded at TP=`tp`: the full logits of `ids`."""
-    from megatron_fsdp import parallel_state, tensor_parallel
-    from megatron_fsdp.models.gpt import GPTModel
-    from megatron_fsdp.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-    from megatron_fsdp.training.checkpointing import load_checkpoint
-    from megatron_fsdp.training.offline_checkpoint import stored_model_args
-    from megatron_fsdp.transformer import TransformerConfig
-    import torch.nn.functional as F
-
-    args = stored_model_args(ckpt)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(
-        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
-        num_attention_heads=args["num_attention_heads"], num_query_groups=args["num_query_groups"],
-        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", layernorm_epsilon=args["norm_epsilon"],
-        add_bias_linear=False, add_qkv_bias=args["add_qkv_bias"], hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp)
-    vocab = 128  # 100 padded to a multiple of 128 (x TP 2 = 256 at TP 2: loaded across the padding)
-    padded = vocab * tp
-    model = GPTModel(config, vocab_size=padded, max_sequence_length=args["max_position_embeddings"],
-                     position_embedding_type="rope", rotary_base=args["rotary_base"],
-                     rope_scaling=args["use_rope_scaling"], rope_scaling_factor=args["rope_scaling_factor"],
-                     share_embeddings_and_output_weights=not args["untie_embeddings_and_output_weights"]).eval()
-    loaded = load_checkpoint(model, None, None, ckpt, load_optim=False, true_vocab_size=100)
-    assert not loaded["rng_restored"]
-    with torch.no_grad():
-        logits = model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), attention_mask=None)
-        if tp > 1:
-            logits = gather_from_tensor_model_parallel_region(logits)
-    return logits[..., :100]
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama3"])
 def test_hf_to_ours_gives_the_hf_logits_at_tp_1_and_2_and_converts_back_exactly(pools, tmp_path, name):
     hf_model, hf_dir = _hf_dir(tmp_path, name)
@@ -82,7 +48,7 @@ def test_hf_to_ours_gives_the_hf_logits_at_tp_1_and_2_and_converts_back_exactly(
     with torch.no_grad():
         expected = hf_model(ids).logits
     for tp in (1, 2):
-        logits = pools(tp).run(_our_logits, ckpt, tp, ids)[0]
+        logits = pools(tp).run(converted_logits, ckpt, tp, ids, 100)[0]
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"TP={tp}: {m}")
     _convert("--loader", "megatron_fsdp", "--saver", "hf", "--load-dir", ckpt, "--save-dir", back)
     from safetensors.torch import load_file
@@ -183,7 +149,7 @@ def test_finetune_from_converted_at_tp2_dp2_then_export_gives_our_logits_in_tran
     with torch.no_grad():
         got = reloaded(ids).logits
         original = hf_model(ids).logits
-    torch.testing.assert_close(got, pools(1).run(_our_logits, trained, 1, ids)[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got, pools(1).run(converted_logits, trained, 1, ids, 100)[0], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got, original, atol=1e-4, rtol=1e-4)
 
 

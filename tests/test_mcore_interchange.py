@@ -16,6 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from helpers import converted_logits
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIXTURE = os.path.join(HERE, "data", "mcore_torch_dist")
@@ -30,37 +32,6 @@ def _convert(loader, saver, load_dir, save_dir, *extra, expect_ok=True):
                           capture_output=True, text=True, timeout=300)
     assert (proc.returncode == 0) == expect_ok, proc.stdout + proc.stderr
     return proc
-
-
-def _our_logits(ckpt, tp, ids):
-    """Our GPT from the checkpoint's stored flags at TP=`tp`, loaded: the logits of `ids`."""
-    import torch.nn.functional as F
-
-    from megatron_fsdp import parallel_state, tensor_parallel
-    from megatron_fsdp.models.gpt import GPTModel
-    from megatron_fsdp.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-    from megatron_fsdp.training.checkpointing import load_checkpoint
-    from megatron_fsdp.training.offline_checkpoint import stored_model_args
-    from megatron_fsdp.transformer import TransformerConfig
-
-    a = stored_model_args(ckpt)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(
-        num_layers=a["num_layers"], hidden_size=a["hidden_size"], ffn_hidden_size=a["ffn_hidden_size"],
-        num_attention_heads=a["num_attention_heads"], num_query_groups=a["num_query_groups"],
-        gated_linear_unit=a["swiglu"], activation_func=F.silu, normalization=a["normalization"],
-        layernorm_epsilon=a["norm_epsilon"], add_bias_linear=not a["disable_bias_linear"],
-        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp)
-    model = GPTModel(config, vocab_size=128 * tp, max_sequence_length=a["max_position_embeddings"],
-                     position_embedding_type="rope", rotary_base=a["rotary_base"],
-                     share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"]).eval()
-    load_checkpoint(model, None, None, ckpt, load_optim=False, true_vocab_size=100)
-    with torch.no_grad():
-        logits = model(ids, torch.arange(ids.shape[1]).expand(ids.shape[0], -1), attention_mask=None)
-        if tp > 1:
-            logits = gather_from_tensor_model_parallel_region(logits)
-    return logits[..., :100]
 
 
 def _tensors(iter_dir):
@@ -78,7 +49,7 @@ def test_megatron_core_checkpoint_gives_its_logits_in_ours_at_tp_1_and_2(pools, 
     assert "vocabulary 100" in out and "--num-query-groups 2 --kv-channels 8 --swiglu --normalization RMSNorm" in out
     expected = torch.load(os.path.join(FIXTURE, "expected.pt"), weights_only=True)
     for tp in (1, 2):
-        logits = pools(tp).run(_our_logits, str(ours), tp, expected["ids"])[0]
+        logits = pools(tp).run(converted_logits, str(ours), tp, expected["ids"], 100)[0]
         # Megatron-Core's own forward on its own weights; ours agree to fp32 rounding.
         torch.testing.assert_close(logits, expected["logits"], atol=2e-6, rtol=1e-5, msg=lambda m: f"TP={tp}: {m}")
 

@@ -40,11 +40,10 @@ def _check(size: int, stride: int, tp: int) -> int:
 
 def to_blocks(full: torch.Tensor, stride: int, tp: int) -> torch.Tensor:
     """The full tensor -> every TP rank's rows laid end to end (rank r: slices r, TP + r, ...)."""
-    _check(full.size(0), stride, tp)
     if stride == 1 or tp == 1:
+        _check(full.size(0), stride, tp)
         return full
-    slices = full.chunk(stride * tp)
-    return torch.cat([slices[k * tp + r] for r in range(tp) for k in range(stride)])
+    return torch.cat([rank_rows(full, stride, tp, r) for r in range(tp)])
 
 
 def rank_rows(full: torch.Tensor, stride: int, tp: int, rank: int) -> torch.Tensor:
