@@ -234,3 +234,16 @@ def test_a_newer_format_version_is_refused(tmp_path):
             load_checkpoint(torch.nn.Linear(1, 1), None, None, ckpt, verify=False)
     finally:
         checkpointing._FORMAT_VERSION = real
+
+
+def test_the_offline_reader_gives_a_format_3_fc1_as_gate_then_up():
+    """tools/checkpoint/convert.py's reader of our checkpoints (one tensor at a time, no model):
+    a format-3 gated fc1 comes back in the [gate; up] layout, as a load into a model does."""
+    from megatron_fsdp.training.offline_checkpoint import CheckpointReader
+
+    expected = torch.load(os.path.join(FIXTURE_V3, "expected.pt"), weights_only=True)["params"]
+    reader = CheckpointReader(FIXTURE_V3)
+    assert reader.version == 3 and reader.true_vocab_size == 64
+    for name in ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.bias",
+                 "decoder.layers.0.mlp.linear_fc2.weight", "decoder.final_layernorm.weight"):
+        assert torch.equal(reader.tensor(name), expected[name]), name

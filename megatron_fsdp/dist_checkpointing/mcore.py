@@ -74,7 +74,8 @@ def _iteration_dir(path: str, iteration: Optional[int]) -> tuple[str, int]:
                 match = re.search(r"iter_(\d+)$", os.path.abspath(path))
                 return path, int(match[1]) if match else 0
             raise CheckpointError(f"{path} has no {TRACKER}: not a Megatron checkpoint directory")
-        text = open(tracker).read().strip()
+        with open(tracker) as f:
+            text = f.read().strip()
         if not text.isdigit():
             raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number")
         iteration = int(text)

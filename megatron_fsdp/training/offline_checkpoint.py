@@ -74,9 +74,15 @@ class CheckpointReader:
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"checkpoint {self.path}: cannot read {name} ({describe(exc)})") from exc
         tensor = out[f"model.{name}"]
-        if self.version < 4 and name.endswith(_FC1) and self.args.get("swiglu", True):
+        if self.version < 4 and name.endswith(_FC1) and self._gated(name):
             tensor = torch.cat((tensor[0::2], tensor[1::2]))  # stored interleaved before format 4
         return tensor
+
+    def _gated(self, fc1_name: str) -> bool:
+        """A gated MLP's fc1 has twice the rows of fc2's columns (its gate and up rows)."""
+        prefix = fc1_name.rsplit("linear_fc1.", 1)[0]
+        fc1, fc2 = self._tensors.get(prefix + "linear_fc1.weight"), self._tensors.get(prefix + "linear_fc2.weight")
+        return fc1 is not None and fc2 is not None and fc1.size[0] == 2 * fc2.size[-1]
 
 
 def stored_model_args(load_dir: str) -> dict:

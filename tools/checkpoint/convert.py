@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     except (CheckpointError, NotImplementedError, ValueError, OSError) as exc:
         print(f"convert.py: error: {exc}", file=sys.stderr)
         return 1
+    except KeyError as exc:  # a config.json or stored args without a field the model needs
+        print(f"convert.py: error: the source's configuration lacks {exc}", file=sys.stderr)
+        return 1
     print(f"converted {args.load_dir} ({args.loader}) -> {where} ({args.saver}): {len(model.spec)} tensors, "
           f"vocabulary {model.true_vocab_size}")
     print(f"model flags: {conversion.model_flags(model.args)}")
