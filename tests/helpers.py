@@ -158,3 +158,22 @@ def converted_logits(ckpt: str, tp: int, ids: torch.Tensor, true_vocab_size: int
         if tp > 1:
             logits = gather_from_tensor_model_parallel_region(logits)
     return logits[..., :true_vocab_size]
+
+
+def run_convert(*args: str):
+    """tools/checkpoint/convert.py's main() with `args`, in this process (the command line's tests
+    launch it as a user does): (exit code, stdout, stderr)."""
+    import contextlib
+    import importlib.util
+    import io
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "checkpoint",
+                        "convert.py")
+    spec = importlib.util.spec_from_file_location("convert_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = module.main(list(map(str, args)))
+    return code, out.getvalue(), err.getvalue()

@@ -9,24 +9,23 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import converted_logits
+from helpers import converted_logits, run_convert
 from test_hf_interchange import _hf_model
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
 
 
 def _convert(*args, expect_ok=True):
-    proc = subprocess.run([sys.executable, CONVERT, "--model-type", "GPT", *args], capture_output=True, text=True,
-                          timeout=300)
-    assert (proc.returncode == 0) == expect_ok, proc.stdout + proc.stderr
-    return proc
+    code, stdout, stderr = run_convert("--model-type", "GPT", *args)
+    assert (code == 0) == expect_ok, stdout + stderr
+    return SimpleNamespace(returncode=code, stdout=stdout, stderr=stderr)
 
 
 def _hf_dir(tmp_path, name, **save_kwargs):

@@ -10,28 +10,27 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from helpers import converted_logits
+from helpers import converted_logits, run_convert
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIXTURE = os.path.join(HERE, "data", "mcore_torch_dist")
-CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _convert(loader, saver, load_dir, save_dir, *extra, expect_ok=True):
-    proc = subprocess.run([sys.executable, CONVERT, "--model-type", "GPT", "--loader", loader, "--saver", saver,
-                           "--load-dir", str(load_dir), "--save-dir", str(save_dir), *extra],
-                          capture_output=True, text=True, timeout=300)
-    assert (proc.returncode == 0) == expect_ok, proc.stdout + proc.stderr
-    return proc
+    code, stdout, stderr = run_convert("--model-type", "GPT", "--loader", loader, "--saver", saver,
+                                       "--load-dir", load_dir, "--save-dir", save_dir, *extra)
+    assert (code == 0) == expect_ok, stdout + stderr
+    return SimpleNamespace(returncode=code, stdout=stdout, stderr=stderr)
 
 
 def _tensors(iter_dir):
