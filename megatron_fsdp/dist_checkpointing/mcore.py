@@ -47,8 +47,10 @@ _NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight
           "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
           "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
           "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+# The modules whose extra state (Transformer Engine's fp8 metadata) a checkpoint holds per layer:
+# the four linears of either spec, and TE's core attention (a local-spec load ignores it).
 _EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
-                        "mlp.linear_fc2")
+                        "mlp.linear_fc2", "self_attention.core_attention")
 COMMON = "common_state/shard_0_1"
 
 
