@@ -126,6 +126,7 @@ def test_megatron_core_loads_our_export_with_the_same_logits(tmp_path):
     assert "max logits difference: 0.0" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.e2e  # the README's commands, launched as a user runs them
 def test_readme_megatron_core_commands_run_as_written(tmp_path):
     import re
 
