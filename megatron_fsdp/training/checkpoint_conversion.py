@@ -89,14 +89,18 @@ def load_hf(path: str, make_vocab_size_divisible_by: int = 128) -> Model:
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     groups, layers = hf.get("num_key_value_heads") or heads, hf["num_hidden_layers"]
     head = hidden // heads
-    expected = {"model.embed_tokens.weight": (vocab, hidden)}
+    ffn = hf["intermediate_size"]
+    expected = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+                "model.norm.weight": (hidden,)}
     for i in range(layers):
         p = f"model.layers.{i}."
         expected.update({p + "self_attn.q_proj.weight": (heads * head, hidden),
                          p + "self_attn.k_proj.weight": (groups * head, hidden),
                          p + "self_attn.v_proj.weight": (groups * head, hidden),
-                         p + "mlp.gate_proj.weight": (hf["intermediate_size"], hidden),
-                         p + "mlp.up_proj.weight": (hf["intermediate_size"], hidden)})
+                         p + "self_attn.o_proj.weight": (hidden, heads * head),
+                         p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
+                         p + "mlp.down_proj.weight": (hidden, ffn), p + "input_layernorm.weight": (hidden,),
+                         p + "post_attention_layernorm.weight": (hidden,)})
     _check_shapes(path, source, expected)
     spec, get = _through(hf_mapping.hf_to_megatron_fsdp_recipe(hf, padded), source, directory.tensor)
     return Model(hf_mapping.model_args(hf), vocab, spec, get)
