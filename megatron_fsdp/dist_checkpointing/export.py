@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 
@@ -13,6 +12,7 @@ from torch import nn
 from .. import parallel_state
 from ..tensor_parallel import partition_stride
 from .core import CheckpointError
+from .hf_directory import safetensors_header
 from .publish import fsync_dir
 from ..utils import all_gather_objects, get_rank_safe, is_distributed, unwrap_model
 
@@ -21,7 +21,7 @@ def _all_ok(ok: bool) -> bool:
     return all(all_gather_objects(ok))
 
 
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @torch.no_grad()
@@ -37,29 +37,21 @@ def export_safetensors(model: nn.Module, path: str, dtype: torch.dtype = torch.f
     Megatron-to-HF converters split in halves, whatever the TP size
     (tensor_parallel.partition_stride).
     """
-    if dtype not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
+    if dtype not in _EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {list(_EXPORT_DTYPES)}, got {dtype}")
     inner = unwrap_model(model)
     # Weights only: module extra state (fp8 scaling histories) is no tensor to export.
     state = {name: t for name, t in inner.state_dict().items() if isinstance(t, torch.Tensor)}
     strided, tp = partition_stride.strided_parameters(inner), parallel_state.get_tensor_model_parallel_world_size()
-    header, offset = {}, 0
-    for name, t in state.items():
-        nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {"format": "pt", "producer": "megatron_fsdp"}
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # keep the data 8-byte aligned
+    # From the global shapes, up front: the data follows as each parameter is gathered.
+    header = safetensors_header({name: (t.shape, dtype) for name, t in state.items()}, {"producer": "megatron_fsdp"})
 
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if get_rank_safe() == 0 else None
     error, f = None, None
     try:
         if tmp is not None:
             f = open(tmp, "wb")
-            f.write(len(header_bytes).to_bytes(8, "little"))
-            f.write(header_bytes)
+            f.write(header)
     except OSError as exc:
         error, f = exc, None
     for name, t in state.items():

@@ -118,7 +118,7 @@ def _split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor
     return (q.reshape(-1, *qkv.shape[1:]), k.reshape(-1, *qkv.shape[1:]), v.reshape(-1, *qkv.shape[1:]))
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if rows < t.shape[0]:
         raise ValueError(f"padded vocabulary {rows} is smaller than the checkpoint's {t.shape[0]} rows")
     return torch.cat((t, t.new_zeros(rows - t.shape[0], *t.shape[1:]))) if rows > t.shape[0] else t
@@ -142,7 +142,7 @@ def hf_to_megatron_fsdp_recipe(hf: Mapping, padded_vocab_size: int | None = None
     config, model = gpt_arguments(hf)
     heads, groups = config["num_attention_heads"], config["num_query_groups"]
     rows = padded_vocab_size or hf["vocab_size"]
-    pad = functools.partial(_pad_rows, rows=rows)
+    pad = functools.partial(pad_rows, rows=rows)
     qkv = functools.partial(_qkv, heads=heads, groups=groups)
     out: Recipe = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), pad)}
     for i in range(config["num_layers"]):

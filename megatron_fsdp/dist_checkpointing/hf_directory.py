@@ -67,19 +67,24 @@ class SafetensorsFile:
         return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype(name)).reshape(self.shape(name))
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
-    """Write `tensors` (CPU, contiguous) as one safetensors file, fsynced."""
+def safetensors_header(spec: dict[str, tuple[torch.Size, torch.dtype]], metadata: Optional[dict] = None) -> bytes:
+    """The start of a safetensors file holding `spec`'s tensors ({name: (shape, dtype)}) in that
+    order: the header's length, then the header, padded so that the data is 8-byte aligned."""
     header, offset = {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+    for name, (shape, dtype) in spec.items():
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"] = {"format": "pt", **(metadata or {})}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # 8-byte aligned data
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: Optional[dict] = None) -> None:
+    """Write `tensors` (CPU, contiguous) as one safetensors file, fsynced."""
     with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+        f.write(safetensors_header({name: (t.shape, t.dtype) for name, t in tensors.items()}, metadata))
         for t in tensors.values():
             f.write(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         f.flush()

@@ -28,20 +28,20 @@ import json
 import os
 import re
 import shutil
-import uuid
 from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from . import publish
 from .core import CheckpointError, describe
-from .publish import fsync_dir, write_atomic
+from .lazy_save import LazySavePlanner, as_planned
 
-TRACKER = "latest_checkpointed_iteration.txt"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
           "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
@@ -70,17 +70,12 @@ def _local_spec_key(name: str) -> str:
 
 def _iteration_dir(path: str, iteration: Optional[int]) -> tuple[str, int]:
     if iteration is None:
-        tracker = os.path.join(path, TRACKER)
-        if not os.path.isfile(tracker):
+        iteration = publish.read_tracker(path)
+        if iteration is None:
             if os.path.isfile(os.path.join(path, "metadata.json")):  # an iter_* directory itself
                 match = re.search(r"iter_(\d+)$", os.path.abspath(path))
                 return path, int(match[1]) if match else 0
-            raise CheckpointError(f"{path} has no {TRACKER}: not a Megatron checkpoint directory")
-        with open(tracker) as f:
-            text = f.read().strip()
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number")
-        iteration = int(text)
+            raise CheckpointError(f"{path} has no {publish.TRACKER_FILENAME}: not a Megatron checkpoint directory")
     return os.path.join(path, f"iter_{iteration:07d}"), iteration
 
 
@@ -168,12 +163,13 @@ class McoreReader:
         return dest[0] if layer is not None else dest
 
 
-class _StackedSavePlanner(DefaultSavePlanner):
-    """Writes each stacked key layer by layer, each layer's tensor produced when it is written."""
+class _StackedSavePlanner(LazySavePlanner):
+    """Writes each stacked key layer by layer, each layer's tensor (our name) produced when it is
+    written; an unstacked tensor is `produce(its key)` (lazy_save), an object its own torch.save."""
 
     def __init__(self, layers: dict[str, list[str]], flat: dict[str, str], produce: Callable[[str], torch.Tensor]):
-        super().__init__()
-        self._layers, self._flat, self._produce, self._by_index = layers, flat, produce, {}
+        super().__init__(lambda key: produce(flat[key]))
+        self._layers, self._produce_layer, self._by_index = layers, produce, {}
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -186,27 +182,21 @@ class _StackedSavePlanner(DefaultSavePlanner):
                 items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(
                                            chunk=ChunkStorageMetadata(offsets, torch.Size([1, *full.shape[1:]])),
-                                           properties=_properties(full.dtype), size=full.shape)))
+                                           properties=TensorProperties(dtype=full.dtype), size=full.shape)))
         self.plan = SavePlan(items, planner_data=plan.planner_data)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
         name = self._by_index.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
         if name is not None:
-            return self._produce(name).unsqueeze(0)
+            full = self.state_dict[write_item.index.fqn]
+            return as_planned(name, self._produce_layer(name), full.shape[1:], full.dtype).unsqueeze(0)
         found = self.lookup_object(write_item.index)
-        if isinstance(found, torch.Tensor) and found.is_meta:
-            return self._produce(self._flat[write_item.index.fqn])
         if isinstance(found, _Pickled):  # the object's own torch.save, as Megatron-Core stores objects
             data = io.BytesIO()
             torch.save(found.value, data)
             return data
         return self.transform_object(write_item, found)
-
-
-def _properties(dtype: torch.dtype):
-    from torch.distributed.checkpoint.metadata import TensorProperties
-    return TensorProperties(dtype=dtype)
 
 
 def write_mcore_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torch.dtype]],
@@ -243,16 +233,15 @@ def write_mcore_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torc
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists: not overwriting it")
     os.makedirs(save_dir, exist_ok=True)
-    tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp = publish.temp_dir_for(final)
     os.makedirs(tmp)
     try:
-        dcp.save(state, checkpoint_id=tmp, planner=_StackedSavePlanner(layers, flat, produce), no_dist=True)
+        dcp.save(state, checkpoint_id=tmp, no_dist=True,
+                 planner=_StackedSavePlanner(layers, flat, produce))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-        fsync_dir(tmp)
-        os.rename(tmp, final)
-        fsync_dir(save_dir)
-        write_atomic(os.path.join(save_dir, TRACKER), str(iteration).encode())
+        tracker = os.path.join(save_dir, publish.TRACKER_FILENAME)  # Megatron-LM writes no newline
+        publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, str(iteration).encode()))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,6 +16,8 @@ import shutil
 import uuid
 from typing import Callable, Optional
 
+from .core import CheckpointError
+
 # Names this process's temporary and set-aside directories. Only rank 0
 # creates them, so it identifies the job: a later run (or a restart) can tell
 # what earlier runs' crashed saves left from what its own saves hold.
@@ -80,6 +82,22 @@ def clean_stale(parent: str, is_complete: Callable[[str], bool]) -> None:
             fsync_dir(parent)
         else:
             shutil.rmtree(path, ignore_errors=True)
+
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron's: the latest iteration's number
+
+
+def read_tracker(load_dir: str) -> Optional[int]:
+    """The iteration `load_dir`'s tracker names, or None without a tracker."""
+    tracker = os.path.join(load_dir, TRACKER_FILENAME)
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number")
+    return int(text)
 
 
 def publish(tmp: str, final: str, then: Optional[Callable[[], None]] = None) -> None:

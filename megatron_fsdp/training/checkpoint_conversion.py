@@ -26,6 +26,7 @@ from ..dist_checkpointing import hf as hf_mapping
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.hf_directory import HFDirectory, write_hf_directory
 from ..dist_checkpointing.mcore import McoreReader, write_mcore_checkpoint
+from .checkpointing import ARCHITECTURE_ARGS
 from .offline_checkpoint import CheckpointReader, write_checkpoint
 
 Spec = dict[str, tuple[torch.Size, torch.dtype]]
@@ -119,18 +120,14 @@ def load_megatron_fsdp(path: str, iteration: Optional[int] = None, verify: bool 
 
 
 _VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
-# Megatron-LM's names of the flags a GPT's architecture needs (ours are the same).
-_MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
-               "num_query_groups", "kv_channels", "swiglu", "normalization", "norm_epsilon", "disable_bias_linear",
-               "add_qkv_bias", "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling",
-               "rope_scaling_factor", "max_position_embeddings", "untie_embeddings_and_output_weights")
 
 
 def load_mcore(path: str, iteration: Optional[int] = None, true_vocab_size: Optional[int] = None) -> Model:
     """A Megatron-Core torch_dist checkpoint (dist_checkpointing/mcore.py): model weights, each
     layer's tensor read alone from its stacked tensor; the flags from its stored `args`."""
     reader = McoreReader(path, iteration)
-    args = {k: reader.args[k] for k in _MODEL_ARGS if k in reader.args}
+    # Megatron-LM's names of the architecture flags are ours.
+    args = {k: reader.args[k] for k in ARCHITECTURE_ARGS if k in reader.args}
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in args]
     if missing:
         raise CheckpointError(f"{reader.path}: its stored args lack {', '.join(missing)}: its architecture is unknown")
@@ -169,7 +166,7 @@ def save_mcore(model: Model, save_dir: str, *, dtype: Optional[torch.dtype] = No
     def produce(name):
         t = model.get(name).to(spec[name][1])
         if name in _VOCAB_ROWS:
-            t = hf_mapping._pad_rows(t[:model.true_vocab_size], padded)
+            t = hf_mapping.pad_rows(t[:model.true_vocab_size], padded)
         return t
 
     args = dict(model.args, padded_vocab_size=padded, vocab_size=model.true_vocab_size,

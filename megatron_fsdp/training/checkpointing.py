@@ -73,10 +73,11 @@ from ..tensor_parallel import random as tp_random
 __all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "export_safetensors", "load_checkpoint",
            "load_training_checkpoint", "read_latest_iteration", "save_checkpoint", "save_training_checkpoint"]
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+TRACKER_FILENAME = publish.TRACKER_FILENAME
 CKPT_FORMAT = "torch_dcp"
 # 4: a gated fc1 (partition_stride 2) stored [gate; up]; up to 3 its rows interleaved gate, up
 _FORMAT_VERSION = 4
+GATE_UP_SINCE = 4  # the first version storing a gated fc1 as [gate; up]
 _METADATA = ".metadata"  # DCP's, written last by its save
 _COMMON = "common.pt"  # format 2: the non-tensor entries, rng/ the RNG states
 # Verified before anything else is read: what the checkpoint says about itself.
@@ -168,16 +169,30 @@ def _is_complete(path: str) -> bool:
 # ---------------------------------------------------------------------- save
 
 
+def train_state(iteration: int, layout: dict, true_vocab_size: Optional[int], vocab_params: list,
+                extra_state: dict) -> dict:
+    """The checkpoint's train_state entry (this format and version)."""
+    return {"iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION, "layout": layout,
+            "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_params}, "extra_state": extra_state}
+
+
+def publish_checkpoint(tmp: str, final: str, iteration: int, per_rank: Optional[list]) -> None:
+    """Rank 0's last step of a save: the checksum manifest of `per_rank`'s records (None: no
+    manifest), the rename of `tmp` to `final`, then the tracker."""
+    if per_rank is not None:
+        checksums.write_manifest(tmp, per_rank)
+    tracker = os.path.join(os.path.dirname(final), TRACKER_FILENAME)
+    publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, f"{iteration}\n".encode()))
+
+
 def _states_to_save(iteration: int, model: nn.Module, optimizer, opt_param_scheduler, extra_state: Optional[dict],
                     true_vocab_size: Optional[int]) -> dict:
     """The one DCP dict of a checkpoint: the tensors as shards, every other entry one blob
     (the same on every rank, which DCP then writes once, except each rank's RNG states)."""
     states = torch_dcp.sharded_state(model, optimizer)
     own = {
-        _TRAIN_STATE: {"iteration": iteration, "format": CKPT_FORMAT, "version": _FORMAT_VERSION,
-                       "layout": _layout(),
-                       "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_param_names(unwrap_model(model))},
-                       "extra_state": extra_state or {}},
+        _TRAIN_STATE: train_state(iteration, _layout(), true_vocab_size, vocab_param_names(unwrap_model(model)),
+                                  extra_state or {}),
         "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
         "grad_scaler": _grad_scaler_state(optimizer),
         **_model_states(model),
@@ -247,10 +262,7 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
     publish_error = None
     if get_rank_safe() == 0:
         try:
-            if record is not None:
-                checksums.write_manifest(tmp, per_rank)
-            tracker = os.path.join(save_dir, TRACKER_FILENAME)
-            publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, f"{iteration}\n".encode()))
+            publish_checkpoint(tmp, final, iteration, per_rank if record is not None else None)
         except OSError as exc:
             publish_error = CheckpointError(f"rank 0: {type(exc).__name__}: {exc}")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -259,18 +271,6 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
 
 
 # ---------------------------------------------------------------------- load
-
-
-def _read_tracker(load_dir: str) -> Optional[int]:
-    tracker = os.path.join(load_dir, TRACKER_FILENAME)
-    try:
-        with open(tracker) as f:
-            text = f.read().strip()
-    except FileNotFoundError:
-        return None
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number")
-    return int(text)
 
 
 def _on_rank0(func, *args):
@@ -292,7 +292,7 @@ def read_latest_iteration(load_dir: str) -> Optional[int]:
     """The iteration the tracker names, or None when `load_dir` has no
     checkpoint. Collective when torch.distributed is initialized: rank 0
     reads the tracker and every rank gets its answer."""
-    return _on_rank0(_read_tracker, load_dir)
+    return _on_rank0(publish.read_tracker, load_dir)
 
 
 def _find_checkpoint(load_dir: str, iteration: int) -> str:
@@ -312,7 +312,7 @@ def _resolve(load_dir: str, iteration: Optional[int], verify: bool) -> dict:
             return {"missing": f"{load_dir} does not exist"}
         if not os.path.isdir(load_dir):
             return {"missing": f"{load_dir} is a file, not a checkpoint directory"}
-        iteration = _read_tracker(load_dir)
+        iteration = publish.read_tracker(load_dir)
         if iteration is None:
             return {"missing": f"no checkpoint in {load_dir}: {TRACKER_FILENAME} not found"}
     path = _find_checkpoint(load_dir, iteration)
@@ -508,12 +508,13 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
 
     padded = _padded_vocab_sizes(model, saved, state)
+    version = common.get("version", 2)
     converted = torch_dcp.load_sharded(path, model, optimizer, state, rows, kept,
-                                       legacy_interleaved=common.get("version", 2) < 4)
+                                       legacy_interleaved=version < GATE_UP_SINCE)
     if converted and get_rank_safe() == 0:
         logger.info("checkpoint %s (format version %s) stores gated MLPs' fc1 with gate and up rows interleaved: "
                     "converted %d tensors to the [gate; up] layout on load; the next save writes format %d",
-                    path, common.get("version", 2), converted, _FORMAT_VERSION)
+                    path, version, converted, _FORMAT_VERSION)
     for name, model_state in checkpoint_states(model).items():
         model_state.load_state_dict(common.get(name))  # every rank (it may communicate)
     if load_optim and opt_param_scheduler is not None:
@@ -529,7 +530,7 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
 # ---------------------------------------------------------------------- training state
 
 # Flags that fix the model's architecture: a checkpoint resumes only into the same ones.
-_ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                       "kv_channels", "swiglu", "normalization", "position_embedding_type",
                       "untie_embeddings_and_output_weights", "disable_bias_linear", "max_position_embeddings",
                       "group_query_attention", "add_qkv_bias", "norm_epsilon", "rotary_base", "rotary_percent",
@@ -547,7 +548,7 @@ def save_training_checkpoint(args, iteration: int, model, optimizer, opt_param_s
         "consumed_train_samples": int(args.consumed_train_samples),
         "consumed_valid_samples": int(args.consumed_valid_samples),
         "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
-        "args": {name: getattr(args, name, None) for name in _ARCHITECTURE_ARGS},
+        "args": {name: getattr(args, name, None) for name in ARCHITECTURE_ARGS},
     }
     model = model[0] if isinstance(model, list) else model
     return save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.save, extra_state=extra,
@@ -564,7 +565,7 @@ def load_training_checkpoint(args, model, optimizer, opt_param_scheduler,
 
     def same_architecture(extra: dict) -> None:
         saved_args = extra.get("args") or {}
-        differing = {name: (saved_args[name], getattr(args, name, None)) for name in _ARCHITECTURE_ARGS
+        differing = {name: (saved_args[name], getattr(args, name, None)) for name in ARCHITECTURE_ARGS
                      if name in saved_args and saved_args[name] != getattr(args, name, None)}
         if differing:
             raise CheckpointError(f"checkpoint in {args.load} was saved with other model flags: "

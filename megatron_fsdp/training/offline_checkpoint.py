@@ -22,11 +22,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..dist_checkpointing import checksums, entries, publish
 from ..dist_checkpointing.checksums import ChecksumFileSystemWriter
+from ..dist_checkpointing.lazy_save import LazySavePlanner
 from ..dist_checkpointing.core import EXTRA_STATE_SUFFIX, CheckpointError, describe
 from . import checkpointing as ckpt
 
@@ -74,7 +74,7 @@ class CheckpointReader:
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"checkpoint {self.path}: cannot read {name} ({describe(exc)})") from exc
         tensor = out[f"model.{name}"]
-        if self.version < 4 and name.endswith(_FC1) and self._gated(name):
+        if self.version < ckpt.GATE_UP_SINCE and name.endswith(_FC1) and self._gated(name):
             tensor = torch.cat((tensor[0::2], tensor[1::2]))  # stored interleaved before format 4
         return tensor
 
@@ -96,24 +96,6 @@ def stored_model_args(load_dir: str) -> dict:
     return stored
 
 
-class _LazySavePlanner(DefaultSavePlanner):
-    """DCP's save planner over a state dict of meta tensors: each is produced when written."""
-
-    def __init__(self, produce: Callable[[str], torch.Tensor], dtypes: dict[str, torch.dtype]):
-        super().__init__()
-        self._produce, self._dtypes = produce, dtypes
-
-    def lookup_object(self, index):
-        found = super().lookup_object(index)
-        if isinstance(found, torch.Tensor) and found.is_meta:
-            name = index.fqn[len("model."):]
-            tensor = self._produce(name)
-            if tuple(tensor.shape) != tuple(found.shape):
-                raise CheckpointError(f"{name}: produced shape {list(tensor.shape)}, expected {list(found.shape)}")
-            return tensor.detach().to("cpu", self._dtypes[name]).contiguous()
-        return found
-
-
 def write_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torch.dtype]],
                      produce: Callable[[str], torch.Tensor], *, args: dict, true_vocab_size: Optional[int],
                      source: str, iteration: int = 0) -> str:
@@ -125,19 +107,15 @@ def write_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torch.dtyp
     publish.clean_stale(save_dir, ckpt._is_complete)
     tmp = publish.temp_dir_for(final)
     os.makedirs(tmp)
-    train_state = {"iteration": iteration, "format": ckpt.CKPT_FORMAT, "version": ckpt._FORMAT_VERSION,
-                   "layout": {"converted_from": source},  # no run's layout: its RNG states are none
-                   "vocab": {"true_vocab_size": true_vocab_size, "params": []},
-                   "extra_state": {"args": args}}
+    # No run's layout (so no RNG states to restore), and no module to ask for its vocabulary tables.
+    train_state = ckpt.train_state(iteration, {"converted_from": source}, true_vocab_size, [], {"args": args})
     state = {"model": {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in spec.items()},
              ckpt._TRAIN_STATE: entries.pack(train_state)}
     record = {}
     try:
         dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp, record),
-                 planner=_LazySavePlanner(produce, {name: dtype for name, (_, dtype) in spec.items()}), no_dist=True)
-        checksums.write_manifest(tmp, [record])
-        tracker = os.path.join(save_dir, ckpt.TRACKER_FILENAME)
-        publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, f"{iteration}\n".encode()))
+                 planner=LazySavePlanner(lambda key: produce(key[len("model."):])), no_dist=True)
+        ckpt.publish_checkpoint(tmp, final, iteration, [record])
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
