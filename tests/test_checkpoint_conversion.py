@@ -197,3 +197,27 @@ def test_readme_from_and_to_hugging_face_runs_as_written(tmp_path):
     assert proc.stdout.count("model flags: --num-layers 2") == 2
     reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "llama-ft-hf"))
     assert reloaded.state_dict().keys() == hf_model.state_dict().keys()
+
+
+def test_use_checkpoint_args_fills_the_model_flags_and_names_what_is_wrong(tmp_path, capsys):
+    """--use-checkpoint-args: the stored flags replace the command line's (said once) and stand in
+    for the required ones; without --load, or with a directory holding no checkpoint, one line."""
+    from megatron_fsdp.training.arguments import parse_args
+
+    _, hf_dir = _hf_dir(tmp_path, "llama")
+    ckpt = str(tmp_path / "ckpt")
+    _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", hf_dir, "--save-dir", ckpt)
+    run = ["--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data",
+           "--vocab-size", "100"]
+    args = parse_args(["--load", ckpt, "--use-checkpoint-args", "--num-layers", "5", *run])
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.normalization, args.rotary_base) == (
+        2, 64, 2, "RMSNorm", 50000)
+    assert "--num-layers 2 from the checkpoint replaces 5" in capsys.readouterr().out
+    for argv, said in ((["--use-checkpoint-args", *run], "--use-checkpoint-args needs --load"),
+                       (["--use-checkpoint-args", "--load", str(tmp_path), *run],
+                        "--use-checkpoint-args: no checkpoint in")):
+        with pytest.raises(SystemExit) as stop:
+            parse_args(argv)
+        assert stop.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], lines
