@@ -17,8 +17,14 @@ naming it, raised before any communication, on every rank alike.
                         always shards gradients: "optim" uses the memory of
                         "optim_grads", no more than it promises, same training
   3 optim_grads_params  everything sharded, parameters gathered per unit
-HSDP: `dp_outer_dim` with `outer_dp_sharding_strategy` 0 (replicas of the
-sharded model across the outer dimension).
+  (with tensor parallelism, no_shard's mesh is (data-parallel, 1, tp) over the
+  user's ranks, beside which FSDP2 keeps the tensor-parallel mesh)
+`outer_dp_sharding_strategy`, with `dp_outer_dim`:
+  0 no_shard  HSDP: replicas of the sharded model across the outer dimension
+  1 optim     HFSDP: FSDP2 shards over the inner dimension only, and the
+              optimizer steps this rank's piece of each shard
+              (distributed/outer_sharding.py): its state and gradients are
+              sharded across both dimensions
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from . import _torch_compat
 from ._process_groups import backend_device_type
 from .distributed.fsdp_plan import FSDPPlan, _materialization_device, _units, apply_fsdp_plan
+from .distributed.outer_sharding import OuterShardedOptimizerState
 from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
@@ -117,6 +124,30 @@ def _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_gro
         if dist.get_world_size(hybrid_fsdp_group) != expected:
             raise ValueError(f"hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks; the "
                              f"{dp_outer_dim!r} x {dp_shard_dim!r} dimensions of device_mesh hold {expected}")
+
+
+def _check_no_shard_mesh(device_mesh: DeviceMesh, dp_shard_dim, dp_outer_dim, tp_dim) -> None:
+    """no_shard replicates over every data-parallel rank of the mesh; tensor parallelism, if
+    any, is its last dimension (FSDP2 then gets a (data-parallel, 1) mesh beside it)."""
+    expected = tuple(name for name in (dp_outer_dim, dp_shard_dim, tp_dim) if name is not None)
+    if device_mesh.mesh_dim_names != expected:
+        raise ValueError(f"fully_shard: zero_dp_strategy 0 / 'no_shard' replicates over the data-parallel dimensions "
+                         f"of device_mesh; its dimensions must be {expected} (dp_outer_dim, dp_shard_dim, tp_dim "
+                         f"in this order), got {device_mesh.mesh_dim_names}")
+    if device_mesh.size() != dist.get_world_size():
+        raise NotImplementedError(f"fully_shard: zero_dp_strategy 0 / 'no_shard' on a device_mesh of "
+                                  f"{device_mesh.size()} of the {dist.get_world_size()} ranks: give a mesh of every rank")
+
+
+def _no_shard_mesh(device_type: str, device_mesh: Optional[DeviceMesh], tp_dim: Optional[str]) -> DeviceMesh:
+    """A (dp_replicate, dp_shard of size 1) mesh of every data-parallel rank: FSDP2 replicates
+    across the first dimension (HSDP with shards of one rank: DDP). With tensor parallelism it
+    is cut from a (data-parallel, 1, tensor-parallel) mesh of the user's ranks in the user's
+    order, which FSDP2 combines with the tensor-parallel parameters' own mesh."""
+    if device_mesh is None or tp_dim is None:
+        return init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    ranks = device_mesh.mesh.reshape(-1, 1, device_mesh[tp_dim].size())
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard", tp_dim))["dp_replicate", "dp_shard"]
 
 
 def _compute_dtype(module: nn.Module) -> Optional[torch.dtype]:
@@ -219,20 +250,22 @@ def fully_shard_model(
                          "torch.device('meta') with True, on a device with False")
     outer = _strategy("outer_dp_sharding_strategy", outer_dp_sharding_strategy, STRATEGIES[:2])
     if outer == "optim":
-        raise NotImplementedError("fully_shard: outer_dp_sharding_strategy=1 / 'optim' (HFSDP: optimizer state "
-                                  "sharded across dp_outer_dim too) is not supported yet; use 0 / 'no_shard'")
+        if dp_outer_dim is None:
+            raise ValueError("fully_shard: outer_dp_sharding_strategy 1 / 'optim' (HFSDP) shards the optimizer "
+                             "state across dp_outer_dim: pass a device_mesh with dp_outer_dim and hybrid_fsdp_group")
+        if strategy == "no_shard":
+            raise ValueError("fully_shard: outer_dp_sharding_strategy 1 / 'optim' shards each inner shard again: "
+                             "zero_dp_strategy 0 / 'no_shard' has none; use 1, 2 or 3")
+        if cpu_offload:
+            raise NotImplementedError("fully_shard: outer_dp_sharding_strategy 1 / 'optim' with cpu_offload=True is "
+                                      "not supported: the outer reductions run on the device")
     unit_classes = _unit_classes(fsdp_unit_modules)
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: torch.distributed is not initialized (call init_process_group first)")
     _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group)
     device_type = backend_device_type(dist.get_backend())
     if strategy == "no_shard" and device_mesh is not None:
-        dp_ranks = device_mesh[dp_shard_dim].size() * (device_mesh[dp_outer_dim].size() if dp_outer_dim else 1)
-        if dp_ranks != dist.get_world_size():
-            raise NotImplementedError(
-                f"fully_shard: zero_dp_strategy 0 / 'no_shard' replicates over every rank; the device_mesh's "
-                f"data-parallel dimensions hold {dp_ranks} of {dist.get_world_size()} (tensor parallelism with "
-                "no_shard is not supported yet)")
+        _check_no_shard_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim)
     if any(isinstance(p, DTensor) for p in module.parameters()) and (device_mesh is None or tp_dim is None):
         raise ValueError("fully_shard: the module holds DTensor (tensor-parallel) parameters: pass the device_mesh "
                          "they live on, with tp_dim and dp_shard_dim")
@@ -242,7 +275,7 @@ def fully_shard_model(
 
     # Every check has passed on every rank alike: from here on, meshes and collectives.
     if strategy == "no_shard":
-        mesh = init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        mesh = _no_shard_mesh(device_type, device_mesh, tp_dim)
         group = mesh.get_group(0)
     elif device_mesh is None:
         mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
@@ -252,12 +285,14 @@ def fully_shard_model(
     else:
         mesh = device_mesh[dp_shard_dim]
         group = mesh.get_group()
+    # HFSDP: FSDP2 shards over the inner dimension only; the outer one is OuterShardedOptimizerState's.
+    fsdp_mesh = device_mesh[dp_shard_dim] if outer == "optim" else mesh
 
     main_dtype = mixed_precision_policy.main_params_dtype
     cast = main_dtype is not None and compute_dtype is not None and main_dtype != compute_dtype
     reduce_dtype = mixed_precision_policy.grad_comm_dtype or (main_dtype if cast else None)
     plan = FSDPPlan(
-        mesh=mesh,
+        mesh=fsdp_mesh,
         process_group=group,
         mp_policy=_FSDP2Policy(param_dtype=compute_dtype if cast else None, reduce_dtype=reduce_dtype),
         reshard_after_forward=strategy == "optim_grads_params",
@@ -276,15 +311,21 @@ def fully_shard_model(
     apply_fsdp_plan(module, plan)
     if on_meta:
         _materialize(module, mesh, group, torch.device(device) if device is not None else _materialization_device(mesh))
+    outer_shards = None
+    if outer == "optim":
+        outer_shards = OuterShardedOptimizerState(
+            list(module.parameters()), device_mesh, dp_outer_dim, device_mesh[dp_outer_dim].get_group(),
+            mean=not calculate_per_token_loss, comm_dtype=mixed_precision_policy.grad_comm_dtype)
     for name, param in before:  # for fully_shard_optimizer: each parameter's sharded successor
         param._megatron_fsdp_sharded = module.get_parameter(name)
+        param._megatron_fsdp_sharded._megatron_fsdp_outer = outer_shards
     if calculate_per_token_loss:
         for m in module.modules():
             if hasattr(m, "set_gradient_divide_factor"):
                 m.set_gradient_divide_factor(1.0)
     return MegatronFSDP(module, mesh, group, zero_dp_strategy=strategy,
                         sync_model_each_microbatch=sync_model_each_microbatch,
-                        report_nan_in_param_grad=report_nan_in_param_grad)
+                        report_nan_in_param_grad=report_nan_in_param_grad, outer_shards=outer_shards)
 
 
 # Optimizers whose lazily created state is all zeros (step 0): created here as the first step
@@ -343,8 +384,18 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
                                  f"{tuple(p.shape)} that fully_shard_model did not shard")
             replaced.append(getattr(p, "_megatron_fsdp_sharded", p))
         group["params"] = replaced
+    outers = {id(o): o for g in optimizer.param_groups for p in g["params"]
+              if (o := getattr(p, "_megatron_fsdp_outer", None)) is not None}
+    if len(outers) > 1:
+        raise ValueError("fully_shard_optimizer: the optimizer holds the parameters of several HFSDP models; "
+                         "build one optimizer per model")
+    outer = next(iter(outers.values()), None)
+    if outer is not None:  # HFSDP: the optimizer steps this rank's pieces of the shards
+        outer.adopt(optimizer)
     if type(optimizer) in _ZERO_STATE_OPTIMIZERS:
         _create_state(optimizer)
+    if outer is not None:
+        outer.install_hooks()
     return optimizer
 
 

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .distributed.data_parallel_base import _BaseDataParallel
 from .distributed.fsdp_plan import _materialization_device
+from .distributed.outer_sharding import OuterShardedOptimizerState
 from .distributed.torch_fully_sharded_data_parallel import (broadcast_fsdp_params, drop_unsharded_grads,
                                                             load_fsdp_state_dict, raise_on_bad_grads)
 
@@ -31,8 +32,11 @@ from .distributed.torch_fully_sharded_data_parallel import (broadcast_fsdp_param
 class MegatronFSDP(_BaseDataParallel):
     def __init__(self, module: nn.Module, device_mesh: DeviceMesh, process_group: dist.ProcessGroup, *,
                  zero_dp_strategy: str, sync_model_each_microbatch: bool = True,
-                 report_nan_in_param_grad: bool = False):
+                 report_nan_in_param_grad: bool = False,
+                 outer_shards: Optional[OuterShardedOptimizerState] = None):
         super().__init__(config=None, module=module)
+        # HFSDP (outer_dp_sharding_strategy "optim"): the optimizer's pieces of the shards.
+        self.outer_shards = outer_shards
         self.device_mesh = device_mesh
         self.process_group = process_group
         self.data_parallel_sharding_strategy = zero_dp_strategy
@@ -42,6 +46,10 @@ class MegatronFSDP(_BaseDataParallel):
         self._requires_gradient_sync = True  # FSDP2's default
 
     def forward(self, *inputs, **kwargs):
+        if self.outer_shards is not None and not self.outer_shards.attached:
+            raise RuntimeError("outer_dp_sharding_strategy 'optim' (HFSDP): the optimizer must step the outer "
+                               "shards; build it on the module's parameters and pass it through fully_shard or "
+                               "fully_shard_optimizer before the first forward")
         if torch.is_grad_enabled():
             sync = self.model_auto_sync or self.is_last_microbatch
             if sync != self._requires_gradient_sync:  # a walk over every unit: only on a change
@@ -93,15 +101,21 @@ class MegatronFSDP(_BaseDataParallel):
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
         """FSDP2 waits for its reductions at the end of backward; with report_nan_in_param_grad,
-        raises on every rank naming the parameters whose gradient holds a NaN."""
+        raises on every rank naming the parameters whose gradient holds a NaN. HFSDP: then
+        reduces the gradients across the outer dimension into the optimizer's parameters (else
+        `optimizer.step()` does), where a gradient norm is taken from then on."""
         if self.report_nan_in_param_grad:
             raise_on_bad_grads(self.module, device=_materialization_device(self.device_mesh),
                                group=self.process_group, nan_only=True)
+        if self.outer_shards is not None:
+            self.outer_shards.reduce_gradients()
 
     def zero_grad_buffer(self) -> None:
         """Drop every gradient, the unsharded ones accumulated without synchronization included."""
         super().zero_grad_buffer()
         drop_unsharded_grads(self.module)
+        if self.outer_shards is not None:
+            self.outer_shards.zero_grad()
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load in place: DTensors sharded like the model's (a DCP load), or full tensors (a

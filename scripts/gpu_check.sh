@@ -160,6 +160,8 @@ EOF
 cuda_tests() {
   local limit
   limit="$(left $((180 + E2E_S)))"
+  # test_fully_shard_meshes.py runs on gloo, here for the image's torch: FSDP2's handling of a
+  # tensor-parallel mesh beside another mesh of the same ranks (no_shard x TP) differs by version.
   # pytest's exit code is judged from its report below: every failing test by name. -v names each
   # test as it starts, and faulthandler dumps every thread's stack of a test that hangs, so a
   # run cut off by the limit (no report written) still says where it stopped.
@@ -169,7 +171,7 @@ cuda_tests() {
     tests/test_triton_activations.py \
     tests/test_fsdp_plan.py::test_cpu_offload_steps_on_the_cpu_and_computes_on_the_gpu \
     tests/test_fully_shard.py::test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory \
-    >"$OUT_DIR/tests.log" 2>&1 || true
+    tests/test_fully_shard_meshes.py >"$OUT_DIR/tests.log" 2>&1 || true
   if [ ! -s "$OUT_DIR/tests.xml" ]; then
     local last
     last="$(grep -oE '^tests/[^ ]+' "$OUT_DIR/tests.log" | tail -n 1 || true)"

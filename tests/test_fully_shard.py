@@ -13,87 +13,10 @@ from torch import nn
 import megatron_fsdp
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 
-STEPS = 3
-
-
-class SmallCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                                      nn.ReLU(), nn.AdaptiveAvgPool2d(2))
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, x):
-        return self.head(self.features(x).flatten(1))
-
-
-class EncoderStack(nn.Module):
-    def __init__(self, layers=3, width=16):
-        super().__init__()
-        self.inp = nn.Linear(6, width)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, 2, dim_feedforward=32, dropout=0.0,
-                                                               batch_first=True) for _ in range(layers))
-        self.out = nn.Linear(width, 5)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.out(h.mean(1))
-
-
-MODELS = {  # name: (build, units (classes or import paths), input of n samples)
-    "cnn": (SmallCNN, [nn.Sequential], lambda g, n: torch.randn(n, 3, 6, 6, generator=g)),
-    "encoder": (EncoderStack, ["torch.nn.TransformerEncoderLayer"], lambda g, n: torch.randn(n, 4, 6, generator=g)),
-}
-
-
-def _data(model_name, step, rank, n=4):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return MODELS[model_name][2](g, n), torch.randint(0, 5, (n,), generator=g)
-
-
-def _loss(model, x, y):
-    return nn.functional.cross_entropy(model(x), y)
-
-
-def _full(param):
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
-
-
-def _reference(model_name, world, microbatches=1):
-    torch.manual_seed(0)
-    model = MODELS[model_name][0]()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        for mb in range(microbatches):
-            batches = [_data(model_name, step * microbatches + mb, r) for r in range(world)]
-            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-            _loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {name: p.detach() for name, p in model.named_parameters()}
-
+from fully_shard_models import STEPS, EncoderStack, SmallCNN, _data, _full, _loss, _reference, train_like_one_process
 
 def _case_training_matches_reference(model_name, strategy, **kwargs):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    build, units, _ = MODELS[model_name]
-    module = build()
-    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    model, opt = fully_shard(module, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy, **kwargs)
-    assert isinstance(model, megatron_fsdp.MegatronFSDP) and model.module is module
-    for step in range(STEPS):
-        x, y = _data(model_name, step, rank)
-        _loss(model, x, y).backward()
-        model.finish_grad_sync()
-        opt.step()
-        opt.zero_grad()
-    expected = _reference(model_name, world)
-    got = {name: _full(p).detach() for name, p in model.module.named_parameters()}
-    assert got.keys() == expected.keys()
-    for name in got:
-        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    model, _ = train_like_one_process(model_name, strategy, **kwargs)
     sharded = [p for p in model.module.parameters() if p.to_local().numel() < p.numel()]
     return model.data_parallel_sharding_strategy, model.device_mesh.ndim, bool(sharded)
 
@@ -107,30 +30,6 @@ def _case_training_matches_reference(model_name, strategy, **kwargs):
 ])
 def test_every_strategy_trains_like_one_process_on_the_whole_batch(pools, model_name, strategy, expected):
     assert pools(4).run(_case_training_matches_reference, model_name, strategy) == [expected] * 4
-
-
-def _case_hsdp(model_name):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "shard"))
-    return _case_training_matches_reference(model_name, 3, device_mesh=mesh, dp_shard_dim="shard",
-                                            dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD)
-
-
-def test_hsdp_replicates_the_sharded_model_across_the_outer_dimension(pools):
-    assert pools(4).run(_case_hsdp, "encoder") == [("optim_grads_params", 2, True)] * 4
-
-
-def _case_no_shard_on_an_hsdp_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "shard"))
-    return _case_training_matches_reference("cnn", "no_shard", device_mesh=mesh, dp_shard_dim="shard",
-                                            dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD)
-
-
-def test_no_shard_on_an_hsdp_mesh_replicates_over_both_dimensions(pools):
-    assert pools(4).run(_case_no_shard_on_an_hsdp_mesh) == [("no_shard", 2, False)] * 4
 
 
 def _case_accumulation_syncs_once():
@@ -190,7 +89,12 @@ def test_bf16_compute_keeps_fp32_main_weights_and_gradients(pools):
     (dict(zero_dp_strategy=True), ValueError, "zero_dp_strategy=True: choose one of"),
     (dict(outer_dp_sharding_strategy=2), ValueError, r"outer_dp_sharding_strategy=2: choose one of 0 / 'no_shard', "
                                                      r"1 / 'optim'$"),
-    (dict(outer_dp_sharding_strategy="optim"), NotImplementedError, "HFSDP.*not supported yet"),
+    (dict(outer_dp_sharding_strategy="optim"), ValueError, r"outer_dp_sharding_strategy 1 / 'optim' \(HFSDP\) shards "
+                                                           "the optimizer state across dp_outer_dim: pass a device_mesh"),
+    (dict(outer_dp_sharding_strategy=1, dp_outer_dim="outer", zero_dp_strategy=0), ValueError,
+     "zero_dp_strategy 0 / 'no_shard' has none; use 1, 2 or 3"),
+    (dict(outer_dp_sharding_strategy=1, dp_outer_dim="outer", cpu_offload=True), NotImplementedError,
+     "'optim' with cpu_offload=True is not supported"),
     (dict(init_model_with_meta_device=True), ValueError, "init_model_with_meta_device=True but the module's "
                                                          "parameters are not on the meta device"),
     (dict(init_model_with_meta_device=True, zero_dp_strategy=0), ValueError,
@@ -344,13 +248,14 @@ def test_each_strategy_holds_the_memory_its_name_promises(pools, strategy):
             assert params == sharded  # at rest FSDP2 holds only shards, under 1 and 2 too
 
 
-def _case_meta_device_init(hsdp):
+def _case_meta_device_init(outer):
     from torch.distributed.device_mesh import init_device_mesh
 
     kwargs = {}
-    if hsdp:
+    if outer is not None:  # HSDP ("no_shard") or HFSDP ("optim") on a 2 x 2 mesh
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "shard"))
-        kwargs = dict(device_mesh=mesh, dp_shard_dim="shard", dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD)
+        kwargs = dict(device_mesh=mesh, dp_shard_dim="shard", dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD,
+                      outer_dp_sharding_strategy=outer)
     torch.manual_seed(dist.get_rank())  # ranks draw differently: replicas must still agree
     with torch.device("meta"):
         module = EncoderStack()
@@ -358,7 +263,7 @@ def _case_meta_device_init(hsdp):
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer],
                              init_model_with_meta_device=True, device=torch.device("cpu"), **kwargs)
-    shard = 2 if hsdp else 4
+    shard = 4 if outer is None else 2
     for name, p in model.module.named_parameters():
         assert p.device.type == "cpu" and torch.isfinite(p.to_local()).all(), name
         assert p.to_local().numel() <= -(-p.size(0) // shard) * (full[name] // p.size(0)), name  # a shard only
@@ -372,9 +277,9 @@ def _case_meta_device_init(hsdp):
     return [_full(p).sum().item() for p in model.module.parameters()]
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
-def test_meta_device_init_materializes_shards_and_replicas_agree(pools, hsdp):
-    sums = pools(4).run(_case_meta_device_init, hsdp)
+@pytest.mark.parametrize("outer", [None, "no_shard", "optim"], ids=["fsdp", "hsdp", "hfsdp"])
+def test_meta_device_init_materializes_shards_and_replicas_agree(pools, outer):
+    sums = pools(4).run(_case_meta_device_init, outer)
     assert all(s == sums[0] for s in sums)  # the same full model on every rank
 
 
@@ -417,57 +322,6 @@ def test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_me
         dist.destroy_process_group()
 
 
-class TwoLayerMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2))
-        self.head = nn.Linear(8, 5)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
-def _case_tp_x_fsdp():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    torch.manual_seed(0)
-    module = TwoLayerMLP()
-    for block in module.blocks:  # Megatron's pattern: column- then row-parallel
-        parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    model, opt = fully_shard(module, opt, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
-                             fsdp_unit_modules=[nn.Sequential])
-    data = lambda step, r: (torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r)),  # noqa: E731
-                            torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(100 * step + r)))
-    for step in range(STEPS):
-        x, y = data(step, dp_rank)  # the same batch on both TP ranks of a data-parallel rank
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    torch.manual_seed(0)
-    reference = TwoLayerMLP()
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        batches = [data(step, r) for r in range(dp)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        nn.functional.cross_entropy(reference(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    placements = {p.placements for p in model.module.parameters()}
-    for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(_full(p).detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
-    return len(next(iter(placements)))  # 2-D (data-parallel, tensor-parallel) parameters
-
-
-def test_tensor_parallel_dtensors_compose_with_fsdp(pools):
-    assert pools(4).run(_case_tp_x_fsdp) == [2] * 4
-
-
 def test_fully_shard_takes_nvidias_arguments_by_position_too():
     model = SmallCNN()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -491,16 +345,3 @@ def _case_full_state_dict_loads_into_shards():
 
 def test_a_plain_models_full_state_dict_loads_into_the_shards(pools):
     assert pools(2).run(_case_full_state_dict_loads_into_shards) == [16, 16]  # 32 rows, half each
-
-
-def _case_no_shard_with_tensor_parallelism():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    fully_shard_model(SmallCNN(), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", zero_dp_strategy=0)
-
-
-def test_no_shard_with_tensor_parallelism_is_refused_on_every_rank(pools):
-    errors = pools(4).run_expecting_errors(_case_no_shard_with_tensor_parallelism)
-    assert all(e.type_name == "NotImplementedError" and "data-parallel dimensions hold 2 of 4" in e.message
-               for e in errors), errors

@@ -1,0 +1,217 @@
+"""`fully_shard` on a user's DeviceMesh: HSDP, HFSDP (the optimizer sharded across the outer
+dimension too), tensor parallelism with FSDP and with no_shard. Four gloo ranks; the reference
+is one process training the same model on every data-parallel rank's data (fully_shard_models)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from megatron_fsdp import fully_shard, fully_shard_model
+from megatron_fsdp.optimizer.clip_grads import get_grad_norm_fp32
+
+from fully_shard_models import (STEPS, EncoderStack, SmallCNN, TwoLayerMLP, _data, _full, _loss,
+                                train_like_one_process)
+
+
+def _hybrid(outer_strategy="no_shard"):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "shard"))
+    return dict(device_mesh=mesh, dp_shard_dim="shard", dp_outer_dim="outer", hybrid_fsdp_group=dist.group.WORLD,
+                outer_dp_sharding_strategy=outer_strategy)
+
+
+def _optimizer_share(model, opt):
+    """The fraction of the model's elements this rank's optimizer steps (its parameters' local
+    elements), and whether those are the model's own parameters."""
+    held = [p for group in opt.param_groups for p in group["params"]]
+    full = sum(p.numel() for p in model.module.parameters())
+    own = {id(p) for p in model.module.parameters()}
+    return sum(p.to_local().numel() for p in held) / full, all(id(p) in own for p in held)
+
+
+def _case_hybrid(model_name, strategy, outer_strategy):
+    model, opt = train_like_one_process(model_name, strategy, **_hybrid(outer_strategy))
+    share, own = _optimizer_share(model, opt)
+    weights = sum(p.to_local().numel() for p in model.module.parameters()) / sum(
+        p.numel() for p in model.module.parameters())
+    return model.data_parallel_sharding_strategy, model.device_mesh.ndim, round(weights, 1), round(share, 2), own
+
+
+@pytest.mark.parametrize("model_name, strategy, outer, expected", [
+    # HSDP: each replica holds half of the model (2 shard ranks), and so does its optimizer.
+    ("encoder", 3, "no_shard", ("optim_grads_params", 2, 0.5, 0.5, True)),
+    ("cnn", "no_shard", 0, ("no_shard", 2, 1.0, 1.0, True)),
+    # HFSDP: the weights are halves, the optimizer steps a quarter (its pieces of the halves).
+    ("encoder", 3, "optim", ("optim_grads_params", 2, 0.5, 0.25, False)),
+    ("cnn", "optim_grads", 1, ("optim_grads", 2, 0.5, 0.25, False)),
+])
+def test_hybrid_meshes_train_like_one_process(pools, model_name, strategy, outer, expected):
+    results = pools(4).run(_case_hybrid, model_name, strategy, outer)
+    for got in results:  # shards are whole rows: the cnn's small tensors split a little unevenly
+        assert got[:3] == expected[:3] and got[3] == pytest.approx(expected[3], abs=0.05) and got[4] == expected[4]
+
+
+def _case_hfsdp_gradient_norm():
+    """After finish_grad_sync the optimizer's parameters hold the gradient, and its norm over
+    them is the one-process norm (ours and torch's clip_grad_norm_ alike)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = EncoderStack()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **_hybrid("optim"))
+    _loss(model, *_data("encoder", 0, rank)).backward()
+    model.finish_grad_sync()
+    held = [p for group in opt.param_groups for p in group["params"]]
+    assert all(p.grad is None for p in model.module.parameters())  # moved into the pieces
+    ours = get_grad_norm_fp32([p.grad for p in held])
+    torchs = torch.nn.utils.clip_grad_norm_(held, max_norm=1e9)
+    torch.manual_seed(0)
+    reference = EncoderStack()
+    batches = [_data("encoder", 0, r) for r in range(world)]
+    _loss(reference, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    torchs = torchs.full_tensor() if isinstance(torchs, DTensor) else torchs
+    assert ours == pytest.approx(expected, rel=1e-5) and torchs.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_hfsdp_gradient_norm_over_the_optimizers_parameters_is_the_whole_models(pools):
+    pools(4).run(_case_hfsdp_gradient_norm)
+
+
+def _adam_run(path, steps, *, outer, resume_from=None, seed=0):
+    """Adam on the encoder stack on the 2 x 2 mesh; optionally restored from `resume_from`
+    (DCP, in place, NVIDIA's way) and saved to `path` at the end. Returns the full parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    module = EncoderStack()
+    opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+    model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **_hybrid(outer))
+    first = 0
+    if resume_from is not None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        dcp.load(state, checkpoint_id=resume_from)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        first = int(opt.state_dict()["state"][0]["step"])
+    for step in range(first, steps):
+        _loss(model, *_data("encoder", step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    if path is not None:
+        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
+    return [_full(p).detach().clone() for p in model.module.parameters()]
+
+
+def _case_hfsdp_checkpoint(tmp):
+    uninterrupted = _adam_run(None, 3, outer="optim")
+    _adam_run(f"{tmp}/hfsdp", 2, outer="optim")
+    _adam_run(f"{tmp}/hsdp", 2, outer="no_shard")
+    # Saved after 2 steps, loaded into a differently seeded model and optimizer, one more step:
+    # the uninterrupted run's parameters. The optimizer state is saved in the parameters'
+    # layout, so HSDP and HFSDP load each other's checkpoints.
+    for saved, outer in (("hfsdp", "optim"), ("hsdp", "optim"), ("hfsdp", "no_shard")):
+        resumed = _adam_run(None, 3, outer=outer, resume_from=f"{tmp}/{saved}", seed=123)
+        for a, b in zip(resumed, uninterrupted):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"{saved} into {outer}")
+
+
+def test_hfsdp_checkpoint_round_trip_continues_training_and_hsdp_reads_it_and_back(pools, tmp_path):
+    pools(4).run(_case_hfsdp_checkpoint, str(tmp_path))
+
+
+def _case_hfsdp_memory():
+    """Bytes this rank holds between steps (fp32): weights, the optimizer's gradients, Adam's moments."""
+    torch.manual_seed(0)
+    module = EncoderStack()
+    full = sum(p.numel() for p in module.parameters()) * 4
+    opt = torch.optim.Adam(module.parameters(), lr=1e-3)
+    model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **_hybrid("optim"))
+    _loss(model, *_data("encoder", 0, dist.get_rank())).backward()
+    opt.step()
+    local = lambda ts: sum(t.to_local().numel() * 4 for t in ts if t is not None)  # noqa: E731
+    held = [p for group in opt.param_groups for p in group["params"]]
+    moments = [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    return (full, local(model.module.parameters()), local(p.grad for p in model.module.parameters()),
+            local(p.grad for p in held), local(moments))
+
+
+def test_hfsdp_holds_a_quarter_of_the_optimizer_state_and_gradients_on_a_2x2_mesh(pools):
+    for full, weights, model_grads, grads, moments in pools(4).run(_case_hfsdp_memory):
+        assert weights == pytest.approx(full / 2, rel=0.1)  # sharded over the inner dimension only
+        assert model_grads == 0  # reduced into the optimizer's pieces, then dropped
+        assert grads == pytest.approx(full / 4, rel=0.1) and moments == pytest.approx(2 * full / 4, rel=0.1)
+
+
+def _case_hfsdp_needs_its_optimizer():
+    model = fully_shard_model(SmallCNN(), fsdp_unit_modules=[nn.Sequential], **_hybrid("optim"))
+    model(torch.randn(2, 3, 6, 6))
+
+
+def test_hfsdp_without_fully_shard_optimizer_stops_at_the_first_forward_on_every_rank(pools):
+    errors = pools(4).run_expecting_errors(_case_hfsdp_needs_its_optimizer)
+    assert all(e.type_name == "RuntimeError" and "must step the outer shards" in e.message for e in errors), errors
+
+
+def _case_tp(strategy, dims):
+    """TwoLayerMLP with Megatron's column- then row-parallel blocks on the tensor-parallel
+    dimension of a `dims` mesh (data-parallel dimensions first), trained against one process on
+    every data-parallel rank's batch. Returns the parameters' mesh dimensions."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    names = tuple(dims)
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
+    dp_rank, dp = dist.get_rank() // dims["tp"], dist.get_world_size() // dims["tp"]  # tp is the last dimension
+    torch.manual_seed(0)
+    module = TwoLayerMLP()
+    for block in module.blocks:
+        parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    # (With one shard rank, the outer dimension's group holds every data-parallel rank.)
+    kwargs = dict(dp_outer_dim="outer", hybrid_fsdp_group=mesh["outer"].get_group(),
+                  outer_dp_sharding_strategy="optim") if "outer" in names else {}
+    model, opt = fully_shard(module, opt, device_mesh=mesh, dp_shard_dim=names[-2], tp_dim="tp",
+                             fsdp_unit_modules=[nn.Sequential], zero_dp_strategy=strategy, **kwargs)
+    data = lambda step, r: (torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r)),  # noqa: E731
+                            torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(100 * step + r)))
+    for step in range(STEPS):
+        x, y = data(step, dp_rank)  # the same batch on both TP ranks of a data-parallel rank
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.manual_seed(0)
+    reference = TwoLayerMLP()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        batches = [data(step, r) for r in range(dp)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        nn.functional.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(_full(p).detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    linear = model.module.blocks[0][0].weight
+    return linear.device_mesh.mesh_dim_names, linear.to_local().numel() * 2 == linear.numel()
+
+
+@pytest.mark.parametrize("strategy, dims, expected", [
+    (3, {"dp": 2, "tp": 2}, (("dp", "tp"), False)),  # FSDP x TP: a quarter of each weight
+    (0, {"dp": 2, "tp": 2}, (("dp_replicate", "dp_shard", "tp"), True)),  # no_shard x TP: the TP half
+    (3, {"outer": 2, "shard": 1, "tp": 2}, (("shard", "tp"), True)),  # HFSDP x TP (one shard rank)
+], ids=["fsdp", "no_shard", "hfsdp"])
+def test_tensor_parallel_dtensors_compose_with_each_data_parallel_strategy(pools, strategy, dims, expected):
+    assert pools(4).run(_case_tp, strategy, dims) == [expected] * 4
+
+
+def _case_no_shard_mesh_order():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    fully_shard_model(SmallCNN(), device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp", zero_dp_strategy=0)
+
+
+def test_no_shard_with_tensor_parallelism_wants_the_data_parallel_dimensions_first(pools):
+    errors = pools(4).run_expecting_errors(_case_no_shard_mesh_order)
+    assert all(e.type_name == "ValueError" and "its dimensions must be ('dp', 'tp')" in e.message
+               for e in errors), errors
