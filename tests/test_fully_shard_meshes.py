@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp import fully_shard, fully_shard_model
+from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model
 from megatron_fsdp.optimizer.clip_grads import get_grad_norm_fp32
 
 from fully_shard_models import (STEPS, EncoderStack, SmallCNN, TwoLayerMLP, _data, _full, _loss,
@@ -31,24 +31,26 @@ def _optimizer_share(model, opt):
     return sum(p.to_local().numel() for p in held) / full, all(id(p) in own for p in held)
 
 
-def _case_hybrid(model_name, strategy, outer_strategy):
-    model, opt = train_like_one_process(model_name, strategy, **_hybrid(outer_strategy))
+def _case_hybrid(model_name, strategy, outer_strategy, comm_dtype=None):
+    policy = MixedPrecisionPolicy(grad_comm_dtype=comm_dtype)
+    model, opt = train_like_one_process(model_name, strategy, mixed_precision_policy=policy, **_hybrid(outer_strategy))
     share, own = _optimizer_share(model, opt)
     weights = sum(p.to_local().numel() for p in model.module.parameters()) / sum(
         p.numel() for p in model.module.parameters())
     return model.data_parallel_sharding_strategy, model.device_mesh.ndim, round(weights, 1), round(share, 2), own
 
 
-@pytest.mark.parametrize("model_name, strategy, outer, expected", [
+@pytest.mark.parametrize("model_name, strategy, outer, comm_dtype, expected", [
     # HSDP: each replica holds half of the model (2 shard ranks), and so does its optimizer.
-    ("encoder", 3, "no_shard", ("optim_grads_params", 2, 0.5, 0.5, True)),
-    ("cnn", "no_shard", 0, ("no_shard", 2, 1.0, 1.0, True)),
-    # HFSDP: the weights are halves, the optimizer steps a quarter (its pieces of the halves).
-    ("encoder", 3, "optim", ("optim_grads_params", 2, 0.5, 0.25, False)),
-    ("cnn", "optim_grads", 1, ("optim_grads", 2, 0.5, 0.25, False)),
+    ("encoder", 3, "no_shard", None, ("optim_grads_params", 2, 0.5, 0.5, True)),
+    ("cnn", "no_shard", 0, None, ("no_shard", 2, 1.0, 1.0, True)),
+    # HFSDP: the weights are halves, the optimizer steps a quarter (its pieces of the halves);
+    # gradients reduced in another dtype than the parameters' (grad_comm_dtype) too.
+    ("encoder", 3, "optim", None, ("optim_grads_params", 2, 0.5, 0.25, False)),
+    ("cnn", "optim_grads", 1, torch.float64, ("optim_grads", 2, 0.5, 0.25, False)),
 ])
-def test_hybrid_meshes_train_like_one_process(pools, model_name, strategy, outer, expected):
-    results = pools(4).run(_case_hybrid, model_name, strategy, outer)
+def test_hybrid_meshes_train_like_one_process(pools, model_name, strategy, outer, comm_dtype, expected):
+    results = pools(4).run(_case_hybrid, model_name, strategy, outer, comm_dtype)
     for got in results:  # shards are whole rows: the cnn's small tensors split a little unevenly
         assert got[:3] == expected[:3] and got[3] == pytest.approx(expected[3], abs=0.05) and got[4] == expected[4]
 

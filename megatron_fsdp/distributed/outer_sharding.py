@@ -138,9 +138,10 @@ class OuterShardedOptimizerState:
         optimizer.register_state_dict_post_hook(lambda _, state_dict: self._state_to_param_layout(state_dict))
         optimizer.register_load_state_dict_pre_hook(lambda _, state_dict: self._state_to_pieces(state_dict))
 
-    def _buffer(self, dtype: torch.dtype, rows: int) -> torch.Tensor:
-        slot = self._by_dtype[dtype][0]
-        return torch.zeros(rows, self._widths[dtype], dtype=dtype, device=slot.param.to_local().device)
+    def _buffer(self, param_dtype: torch.dtype, rows: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """`rows` x the coalesced width of the `param_dtype` parameters, in `dtype` (theirs by default)."""
+        device = self._by_dtype[param_dtype][0].param.to_local().device
+        return torch.zeros(rows, self._widths[param_dtype], dtype=dtype or param_dtype, device=device)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -151,11 +152,11 @@ class OuterShardedOptimizerState:
             return
         for dtype, slots in self._by_dtype.items():
             comm_dtype = self.comm_dtype or dtype
-            send = self._buffer(comm_dtype, self.outer)
+            send = self._buffer(dtype, self.outer, comm_dtype)
             for s in slots:
                 if s.param.grad is not None:
                     _pack(send[:, s.offset:s.offset + s.chunk], s.param.grad.to_local().view(-1), s.chunk)
-            received = self._buffer(comm_dtype, 1).view(-1)
+            received = self._buffer(dtype, 1, comm_dtype).view(-1)
             dist.reduce_scatter_tensor(received, send.view(-1), op=dist.ReduceOp.SUM, group=self.group)
             if self.mean:
                 received.div_(self.outer)
