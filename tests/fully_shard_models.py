@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp
-from megatron_fsdp import fully_shard
+from megatron_fsdp import fully_shard, fully_shard_model
 
 STEPS = 3
 
@@ -43,28 +43,31 @@ MODELS = {  # name: (build, units (classes or import paths), input of n samples)
 }
 
 
-def _data(model_name, step, rank, n=4):
+def batch(model_name, step, rank, n=4):
+    """Rank `rank`'s inputs and labels of step `step` (the reference concatenates every rank's)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     return MODELS[model_name][2](g, n), torch.randint(0, 5, (n,), generator=g)
 
 
-def _loss(model, x, y):
+def loss_of(model, x, y):
     return nn.functional.cross_entropy(model(x), y)
 
 
-def _full(param):
+def gathered(param):
+    """The full tensor of a sharded parameter (DTensor), or the tensor itself."""
     return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-def _reference(model_name, world, microbatches=1):
+def one_process_reference(model_name, world, microbatches=1):
+    """The parameters after STEPS steps of one process with SGD and momentum on every rank's batch."""
     torch.manual_seed(0)
     model = MODELS[model_name][0]()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         for mb in range(microbatches):
-            batches = [_data(model_name, step * microbatches + mb, r) for r in range(world)]
+            batches = [batch(model_name, step * microbatches + mb, r) for r in range(world)]
             x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-            _loss(model, x, y).backward()
+            loss_of(model, x, y).backward()
         opt.step()
         opt.zero_grad()
     return {name: p.detach() for name, p in model.named_parameters()}
@@ -94,14 +97,46 @@ def train_like_one_process(model_name, strategy, **kwargs):
     model, opt = fully_shard(module, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy, **kwargs)
     assert isinstance(model, megatron_fsdp.MegatronFSDP) and model.module is module
     for step in range(STEPS):
-        x, y = _data(model_name, step, rank)
-        _loss(model, x, y).backward()
+        x, y = batch(model_name, step, rank)
+        loss_of(model, x, y).backward()
         model.finish_grad_sync()
         opt.step()
         opt.zero_grad()
-    expected = _reference(model_name, world)
-    got = {name: _full(p).detach() for name, p in model.module.named_parameters()}
+    expected = one_process_reference(model_name, world)
+    got = {name: gathered(p).detach() for name, p in model.module.named_parameters()}
     assert got.keys() == expected.keys()
     for name in got:
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
     return model, opt
+
+
+def adam_run(path, steps, *, resume_from=None, seed=0, precreated=True, **kwargs):
+    """Runs in every worker: Adam on the encoder stack, through `fully_shard` (ZeRO-3; `kwargs`
+    are fully_shard's); optionally restored from `resume_from` first (DCP, in place, NVIDIA's
+    way) and saved to `path` at the end. Returns the full parameters."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    module = EncoderStack()
+    if precreated:
+        opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+        model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **kwargs)
+    else:  # built on the sharded parameters: its state appears in its first step
+        model = fully_shard_model(module, fsdp_unit_modules=[nn.TransformerEncoderLayer], **kwargs)
+        opt = torch.optim.Adam(model.module.parameters(), lr=1e-2)
+    first = 0
+    if resume_from is not None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        dcp.load(state, checkpoint_id=resume_from)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        first = int(opt.state_dict()["state"][0]["step"])
+    for step in range(first, steps):
+        x, y = batch("encoder", step, rank)
+        loss_of(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    if path is not None:
+        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
+    return [gathered(p).detach().clone() for p in model.module.parameters()]

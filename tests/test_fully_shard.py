@@ -13,7 +13,8 @@ from torch import nn
 import megatron_fsdp
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 
-from fully_shard_models import STEPS, EncoderStack, SmallCNN, _data, _full, _loss, _reference, train_like_one_process
+from fully_shard_models import (STEPS, EncoderStack, SmallCNN, adam_run, batch, gathered, loss_of,
+                                one_process_reference, train_like_one_process)
 
 def _case_training_matches_reference(model_name, strategy, **kwargs):
     model, _ = train_like_one_process(model_name, strategy, **kwargs)
@@ -41,21 +42,21 @@ def _case_accumulation_syncs_once():
     opt = fully_shard_optimizer(torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
     for step in range(STEPS):
         model.set_model_auto_sync(False)
-        x, y = _data("encoder", 2 * step, rank)
-        _loss(model, x, y).backward()
+        x, y = batch("encoder", 2 * step, rank)
+        loss_of(model, x, y).backward()
         # Not synchronized: nothing reduced, so no sharded gradient yet.
         assert all(p.grad is None for p in model.module.parameters())
         model.set_model_auto_sync(True)
-        x, y = _data("encoder", 2 * step + 1, rank)
-        _loss(model, x, y).backward()
+        x, y = batch("encoder", 2 * step + 1, rank)
+        loss_of(model, x, y).backward()
         assert all(p.grad is not None for p in model.module.parameters())
         model.finish_grad_sync()  # NVIDIA's loop calls these; on FSDP2 there is nothing left to do
         opt.step()
         model.install_optimized_model_weights()
         model.zero_grad_buffer()
-    expected = _reference("encoder", world, microbatches=2)
+    expected = one_process_reference("encoder", world, microbatches=2)
     for name, p in model.module.named_parameters():
-        torch.testing.assert_close(_full(p).detach(), expected[name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(gathered(p).detach(), expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_accumulation_with_auto_sync_off_then_on_equals_summed_gradients(pools):
@@ -67,7 +68,7 @@ def _case_bf16_compute():
     module = EncoderStack().to(torch.bfloat16)
     model = fully_shard_model(module, fsdp_unit_modules=[nn.TransformerEncoderLayer],
                               mixed_precision_policy=MixedPrecisionPolicy(grad_comm_dtype=torch.float32))
-    x, y = _data("encoder", 0, dist.get_rank())
+    x, y = batch("encoder", 0, dist.get_rank())
     out = model(x.to(torch.bfloat16))
     nn.functional.cross_entropy(out.float(), y).backward()
     return (out.dtype, {p.dtype for p in model.module.parameters()}, {p.grad.dtype for p in model.module.parameters()})
@@ -89,8 +90,8 @@ def test_bf16_compute_keeps_fp32_main_weights_and_gradients(pools):
     (dict(zero_dp_strategy=True), ValueError, "zero_dp_strategy=True: choose one of"),
     (dict(outer_dp_sharding_strategy=2), ValueError, r"outer_dp_sharding_strategy=2: choose one of 0 / 'no_shard', "
                                                      r"1 / 'optim'$"),
-    (dict(outer_dp_sharding_strategy="optim"), ValueError, r"outer_dp_sharding_strategy 1 / 'optim' \(HFSDP\) shards "
-                                                           "the optimizer state across dp_outer_dim: pass a device_mesh"),
+    (dict(outer_dp_sharding_strategy="optim"), ValueError,
+     r"outer_dp_sharding_strategy 1 / 'optim' \(HFSDP\) shards the optimizer state across dp_outer_dim: pass a"),
     (dict(outer_dp_sharding_strategy=1, dp_outer_dim="outer", zero_dp_strategy=0), ValueError,
      "zero_dp_strategy 0 / 'no_shard' has none; use 1, 2 or 3"),
     (dict(outer_dp_sharding_strategy=1, dp_outer_dim="outer", cpu_offload=True), NotImplementedError,
@@ -140,12 +141,12 @@ def _case_per_token_loss_sums_gradients():
     reference = SmallCNN()
     torch.manual_seed(0)
     model = fully_shard_model(SmallCNN(), fsdp_unit_modules=[nn.Sequential], calculate_per_token_loss=True)
-    x, y = _data("cnn", 0, rank)
-    _loss(model, x, y).backward()
+    x, y = batch("cnn", 0, rank)
+    loss_of(model, x, y).backward()
     for r in range(world):  # the sum of every rank's gradient, not their mean
-        _loss(reference, *_data("cnn", 0, r)).backward()
+        loss_of(reference, *batch("cnn", 0, r)).backward()
     for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(_full(p.grad), q.grad, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(gathered(p.grad), q.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_per_token_loss_sums_the_gradients_of_every_rank(pools):
@@ -156,10 +157,10 @@ def _case_nan_gradient_is_reported_on_every_rank():
     rank = dist.get_rank()
     model = fully_shard_model(SmallCNN(), fsdp_unit_modules=[nn.Sequential], report_nan_in_param_grad=True,
                               zero_dp_strategy=2)
-    x, y = _data("cnn", 0, rank)
+    x, y = batch("cnn", 0, rank)
     if rank == 1:
         x[0, 0, 0, 0] = float("nan")
-    _loss(model, x, y).backward()
+    loss_of(model, x, y).backward()
     model.finish_grad_sync()
 
 
@@ -168,46 +169,15 @@ def test_a_nan_gradient_is_reported_on_every_rank(pools):
     assert all(e.type_name == "RuntimeError" and "NaN in the gradient of" in e.message for e in errors), errors
 
 
-def _adam_run(path, steps, *, resume_from=None, seed=0, precreated=True):
-    """Adam on the encoder stack, ZeRO-3; optionally restored from `resume_from` first (DCP, in
-    place, NVIDIA's way) and saved to `path` at the end. Returns the full parameters."""
-    import torch.distributed.checkpoint as dcp
-
-    rank = dist.get_rank()
-    torch.manual_seed(seed)
-    module = EncoderStack()
-    if precreated:
-        opt = torch.optim.Adam(module.parameters(), lr=1e-2)
-        model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer])
-    else:  # built on the sharded parameters: its state appears in its first step
-        model = fully_shard_model(module, fsdp_unit_modules=[nn.TransformerEncoderLayer])
-        opt = torch.optim.Adam(model.module.parameters(), lr=1e-2)
-    first = 0
-    if resume_from is not None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        dcp.load(state, checkpoint_id=resume_from)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        first = int(opt.state_dict()["state"][0]["step"])
-    for step in range(first, steps):
-        x, y = _data("encoder", step, rank)
-        _loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    if path is not None:
-        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
-    return [_full(p).detach().clone() for p in model.module.parameters()]
-
-
 def _case_optimizer_state_exists_and_changes_nothing(path):
-    precreated = _adam_run(None, 3)
-    lazy = _adam_run(None, 3, precreated=False)
+    precreated = adam_run(None, 3)
+    lazy = adam_run(None, 3, precreated=False)
     for a, b in zip(precreated, lazy):
         assert torch.equal(a, b)
     # Saved after 2 steps, loaded into a differently seeded model and optimizer, one more step:
     # the uninterrupted run's parameters.
-    _adam_run(path, 2)
-    resumed = _adam_run(None, 3, resume_from=path, seed=123)
+    adam_run(path, 2)
+    resumed = adam_run(None, 3, resume_from=path, seed=123)
     for a, b in zip(resumed, precreated):
         assert torch.equal(a, b)
 
@@ -227,8 +197,8 @@ def _case_memory_per_strategy(strategy):
     full = sum(p.numel() for p in module.parameters()) * 4
     opt = torch.optim.Adam(module.parameters(), lr=1e-3)
     model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], zero_dp_strategy=strategy)
-    x, y = _data("encoder", 0, dist.get_rank())
-    _loss(model, x, y).backward()
+    x, y = batch("encoder", 0, dist.get_rank())
+    loss_of(model, x, y).backward()
     opt.step()
     params = list(model.module.parameters())
     moments = [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
@@ -269,12 +239,12 @@ def _case_meta_device_init(outer):
         assert p.to_local().numel() <= -(-p.size(0) // shard) * (full[name] // p.size(0)), name  # a shard only
     # Each module's reset_parameters ran: weights are not all zeros, LayerNorm weights are ones.
     layer = model.module.layers[0]
-    assert _full(layer.norm1.weight).eq(1).all() and _full(layer.linear1.weight).abs().sum() > 0
-    assert _full(layer.self_attn.in_proj_weight).abs().sum() > 0  # MultiheadAttention's _reset_parameters
-    x, y = _data("encoder", 0, dist.get_rank())
-    _loss(model, x, y).backward()
+    assert gathered(layer.norm1.weight).eq(1).all() and gathered(layer.linear1.weight).abs().sum() > 0
+    assert gathered(layer.self_attn.in_proj_weight).abs().sum() > 0  # MultiheadAttention's _reset_parameters
+    x, y = batch("encoder", 0, dist.get_rank())
+    loss_of(model, x, y).backward()
     opt.step()
-    return [_full(p).sum().item() for p in model.module.parameters()]
+    return [gathered(p).sum().item() for p in model.module.parameters()]
 
 
 @pytest.mark.parametrize("outer", [None, "no_shard", "optim"], ids=["fsdp", "hsdp", "hfsdp"])
@@ -309,7 +279,7 @@ def test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_me
         module = EncoderStack().cuda()
         opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
         model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], cpu_offload=True)
-        x, y = _data("encoder", 0, 0)
+        x, y = batch("encoder", 0, 0)
         out = model(x.cuda())
         assert out.device.type == "cuda"
         nn.functional.cross_entropy(out, y.cuda()).backward()
@@ -339,7 +309,7 @@ def _case_full_state_dict_loads_into_shards():
     plain = EncoderStack()  # other weights, unsharded
     model.load_state_dict(plain.state_dict())
     for (name, p), q in zip(model.module.named_parameters(), plain.parameters()):
-        assert torch.equal(_full(p).detach(), q.detach()), name
+        assert torch.equal(gathered(p).detach(), q.detach()), name
     return model.module.layers[0].linear1.weight.to_local().shape[0]
 
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model
 from megatron_fsdp.optimizer.clip_grads import get_grad_norm_fp32
 
-from fully_shard_models import (STEPS, EncoderStack, SmallCNN, TwoLayerMLP, _data, _full, _loss,
+from fully_shard_models import (STEPS, EncoderStack, SmallCNN, TwoLayerMLP, adam_run, batch, gathered, loss_of,
                                 train_like_one_process)
 
 
@@ -63,7 +63,7 @@ def _case_hfsdp_gradient_norm():
     module = EncoderStack()
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **_hybrid("optim"))
-    _loss(model, *_data("encoder", 0, rank)).backward()
+    loss_of(model, *batch("encoder", 0, rank)).backward()
     model.finish_grad_sync()
     held = [p for group in opt.param_groups for p in group["params"]]
     assert all(p.grad is None for p in model.module.parameters())  # moved into the pieces
@@ -71,8 +71,8 @@ def _case_hfsdp_gradient_norm():
     torchs = torch.nn.utils.clip_grad_norm_(held, max_norm=1e9)
     torch.manual_seed(0)
     reference = EncoderStack()
-    batches = [_data("encoder", 0, r) for r in range(world)]
-    _loss(reference, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
+    batches = [batch("encoder", 0, r) for r in range(world)]
+    loss_of(reference, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
     expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
     torchs = torchs.full_tensor() if isinstance(torchs, DTensor) else torchs
     assert ours == pytest.approx(expected, rel=1e-5) and torchs.item() == pytest.approx(expected, rel=1e-5)
@@ -82,41 +82,15 @@ def test_hfsdp_gradient_norm_over_the_optimizers_parameters_is_the_whole_models(
     pools(4).run(_case_hfsdp_gradient_norm)
 
 
-def _adam_run(path, steps, *, outer, resume_from=None, seed=0):
-    """Adam on the encoder stack on the 2 x 2 mesh; optionally restored from `resume_from`
-    (DCP, in place, NVIDIA's way) and saved to `path` at the end. Returns the full parameters."""
-    import torch.distributed.checkpoint as dcp
-
-    rank = dist.get_rank()
-    torch.manual_seed(seed)
-    module = EncoderStack()
-    opt = torch.optim.Adam(module.parameters(), lr=1e-2)
-    model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **_hybrid(outer))
-    first = 0
-    if resume_from is not None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        dcp.load(state, checkpoint_id=resume_from)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        first = int(opt.state_dict()["state"][0]["step"])
-    for step in range(first, steps):
-        _loss(model, *_data("encoder", step, rank)).backward()
-        opt.step()
-        opt.zero_grad()
-    if path is not None:
-        dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
-    return [_full(p).detach().clone() for p in model.module.parameters()]
-
-
 def _case_hfsdp_checkpoint(tmp):
-    uninterrupted = _adam_run(None, 3, outer="optim")
-    _adam_run(f"{tmp}/hfsdp", 2, outer="optim")
-    _adam_run(f"{tmp}/hsdp", 2, outer="no_shard")
+    uninterrupted = adam_run(None, 3, **_hybrid("optim"))
+    adam_run(f"{tmp}/hfsdp", 2, **_hybrid("optim"))
+    adam_run(f"{tmp}/hsdp", 2, **_hybrid("no_shard"))
     # Saved after 2 steps, loaded into a differently seeded model and optimizer, one more step:
     # the uninterrupted run's parameters. The optimizer state is saved in the parameters'
     # layout, so HSDP and HFSDP load each other's checkpoints.
     for saved, outer in (("hfsdp", "optim"), ("hsdp", "optim"), ("hfsdp", "no_shard")):
-        resumed = _adam_run(None, 3, outer=outer, resume_from=f"{tmp}/{saved}", seed=123)
+        resumed = adam_run(None, 3, resume_from=f"{tmp}/{saved}", seed=123, **_hybrid(outer))
         for a, b in zip(resumed, uninterrupted):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"{saved} into {outer}")
 
@@ -132,7 +106,7 @@ def _case_hfsdp_memory():
     full = sum(p.numel() for p in module.parameters()) * 4
     opt = torch.optim.Adam(module.parameters(), lr=1e-3)
     model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **_hybrid("optim"))
-    _loss(model, *_data("encoder", 0, dist.get_rank())).backward()
+    loss_of(model, *batch("encoder", 0, dist.get_rank())).backward()
     opt.step()
     local = lambda ts: sum(t.to_local().numel() * 4 for t in ts if t is not None)  # noqa: E731
     held = [p for group in opt.param_groups for p in group["params"]]
@@ -194,7 +168,7 @@ def _case_tp(strategy, dims):
         ref_opt.step()
         ref_opt.zero_grad()
     for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(_full(p).detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(gathered(p).detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
     linear = model.module.blocks[0][0].weight
     return linear.device_mesh.mesh_dim_names, linear.to_local().numel() * 2 == linear.numel()
 
