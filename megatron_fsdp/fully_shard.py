@@ -366,7 +366,13 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
     here on (as it would after a first step, zeros), so that
     `dcp.load({"optimizer": optimizer.state_dict()}, ...)` restores a checkpoint into it;
     other optimizers create theirs in their first step (load theirs with
-    torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)."""
+    torch.distributed.checkpoint.state_dict.set_optimizer_state_dict).
+
+    HFSDP (outer_dp_sharding_strategy 'optim'): the optimizer steps this rank's pieces of the
+    shards (distributed/outer_sharding.py). Its `state_dict()` is in the parameters' layout,
+    a gathered copy: after `dcp.load` into it, `optimizer.load_state_dict` puts it back.
+    torch's get/set_optimizer_state_dict, which map the optimizer's parameters to the model's
+    names, do not apply."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fully_shard_optimizer: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")

@@ -110,6 +110,13 @@ class MegatronFSDP(_BaseDataParallel):
         if self.outer_shards is not None:
             self.outer_shards.reduce_gradients()
 
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every gradient by `scaling_factor`: HFSDP's reduced ones on the optimizer's
+        pieces too (finalize_model_grads scales after finish_grad_sync)."""
+        super().scale_gradients(scaling_factor)
+        if self.outer_shards is not None:
+            self.outer_shards.scale_gradients(scaling_factor)
+
     def zero_grad_buffer(self) -> None:
         """Drop every gradient, the unsharded ones accumulated without synchronization included."""
         super().zero_grad_buffer()

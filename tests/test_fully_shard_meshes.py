@@ -13,7 +13,7 @@ from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model
 from megatron_fsdp.optimizer.clip_grads import get_grad_norm_fp32
 
 from fully_shard_models import (STEPS, EncoderStack, SmallCNN, TwoLayerMLP, adam_run, batch, gathered, loss_of,
-                                train_like_one_process)
+                                one_process_reference, train_like_one_process)
 
 
 def _hybrid(outer_strategy="no_shard"):
@@ -69,6 +69,8 @@ def _case_hfsdp_gradient_norm():
     assert all(p.grad is None for p in model.module.parameters())  # moved into the pieces
     ours = get_grad_norm_fp32([p.grad for p in held])
     torchs = torch.nn.utils.clip_grad_norm_(held, max_norm=1e9)
+    model.scale_gradients(0.5)  # as finalize_model_grads does after finish_grad_sync
+    halved = get_grad_norm_fp32([p.grad for p in held])
     torch.manual_seed(0)
     reference = EncoderStack()
     batches = [batch("encoder", 0, r) for r in range(world)]
@@ -76,6 +78,7 @@ def _case_hfsdp_gradient_norm():
     expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
     torchs = torchs.full_tensor() if isinstance(torchs, DTensor) else torchs
     assert ours == pytest.approx(expected, rel=1e-5) and torchs.item() == pytest.approx(expected, rel=1e-5)
+    assert halved == pytest.approx(expected / 2, rel=1e-5)
 
 
 def test_hfsdp_gradient_norm_over_the_optimizers_parameters_is_the_whole_models(pools):
@@ -97,6 +100,89 @@ def _case_hfsdp_checkpoint(tmp):
 
 def test_hfsdp_checkpoint_round_trip_continues_training_and_hsdp_reads_it_and_back(pools, tmp_path):
     pools(4).run(_case_hfsdp_checkpoint, str(tmp_path))
+
+
+def _case_hfsdp_gradient_lifecycle():
+    """A reduction per microbatch (finish_grad_sync after each backward) adds up; a step skipped
+    after finish_grad_sync (as on an overflow) and the optimizer's zero_grad leave nothing for the
+    next step; training then equals the one-process run with two microbatches per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = EncoderStack()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    model, opt = fully_shard(module, opt, fsdp_unit_modules=[nn.TransformerEncoderLayer], **_hybrid("optim"))
+    loss_of(model, *batch("encoder", 99, rank)).backward()  # the skipped step
+    model.finish_grad_sync()
+    opt.zero_grad()
+    for step in range(STEPS):
+        for microbatch in range(2):
+            loss_of(model, *batch("encoder", 2 * step + microbatch, rank)).backward()
+            model.finish_grad_sync()
+        opt.step()
+        opt.zero_grad()
+    expected = one_process_reference("encoder", world, microbatches=2)
+    for name, p in model.module.named_parameters():
+        torch.testing.assert_close(gathered(p).detach(), expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_hfsdp_reduces_every_microbatch_and_a_skipped_step_leaves_nothing_behind(pools):
+    pools(4).run(_case_hfsdp_gradient_lifecycle)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 5), nn.Linear(8, 5)
+
+    def forward(self, x, use_b):
+        h = torch.relu(self.body(x))
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def _case_hfsdp_a_parameter_unused_on_one_replica():
+    """Head b runs on the first outer replica's data only: its gradient exists there and not on
+    the other replica, which must still take part and step it (the one-process reference)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    use_b = lambda r: r // 2 == 0  # noqa: E731  (the outer coordinate of rank r on the 2 x 2 mesh)
+    torch.manual_seed(0)
+    module = TwoHeads()
+    opt = torch.optim.SGD(module.parameters(), lr=0.5)
+    model, opt = fully_shard(module, opt, **_hybrid("optim"))
+    torch.manual_seed(0)
+    reference = TwoHeads()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        x, y = batch("encoder", step, rank)
+        nn.functional.cross_entropy(model(x[:, 0], use_b(rank)), y).backward()
+        opt.step()
+        opt.zero_grad()
+        losses = [nn.functional.cross_entropy(reference(batch("encoder", step, r)[0][:, 0], use_b(r)),
+                                              batch("encoder", step, r)[1]) for r in range(world)]
+        (sum(losses) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(gathered(p).detach(), q.detach(), atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_hfsdp_steps_a_parameter_that_has_a_gradient_on_one_replica_only(pools):
+    pools(4).run(_case_hfsdp_a_parameter_unused_on_one_replica)
+
+
+def _case_hfsdp_model_moved_after_sharding():
+    torch.manual_seed(0)
+    module = SmallCNN()
+    model, opt = fully_shard(module, torch.optim.SGD(module.parameters(), lr=0.1), fsdp_unit_modules=[nn.Sequential],
+                             **_hybrid("optim"))
+    model.module.to(torch.float64)
+    loss_of(model, batch("cnn", 0, 0)[0].double(), batch("cnn", 0, 0)[1]).backward()
+    opt.step()
+
+
+def test_hfsdp_refuses_a_model_reallocated_after_sharding_on_every_rank(pools):
+    errors = pools(4).run_expecting_errors(_case_hfsdp_model_moved_after_sharding)
+    assert all(e.type_name == "RuntimeError" and "were reallocated after fully_shard" in e.message
+               for e in errors), errors
 
 
 def _case_hfsdp_memory():
@@ -153,9 +239,12 @@ def _case_tp(strategy, dims):
                              fsdp_unit_modules=[nn.Sequential], zero_dp_strategy=strategy, **kwargs)
     data = lambda step, r: (torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + r)),  # noqa: E731
                             torch.randint(0, 5, (4,), generator=torch.Generator().manual_seed(100 * step + r)))
+    norms, expected_norms = [], []
     for step in range(STEPS):
         x, y = data(step, dp_rank)  # the same batch on both TP ranks of a data-parallel rank
         nn.functional.cross_entropy(model(x), y).backward()
+        model.finish_grad_sync()  # the gradient norm over the optimizer's parameters (HFSDP: its pieces)
+        norms.append(get_grad_norm_fp32([p.grad for g in opt.param_groups for p in g["params"]]))
         opt.step()
         opt.zero_grad()
     torch.manual_seed(0)
@@ -165,10 +254,12 @@ def _case_tp(strategy, dims):
         batches = [data(step, r) for r in range(dp)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         nn.functional.cross_entropy(reference(x), y).backward()
+        expected_norms.append(get_grad_norm_fp32([p.grad for p in reference.parameters()]))
         ref_opt.step()
         ref_opt.zero_grad()
     for (name, p), q in zip(model.module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(gathered(p).detach(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
     linear = model.module.blocks[0][0].weight
     return linear.device_mesh.mesh_dim_names, linear.to_local().numel() * 2 == linear.numel()
 

@@ -17,11 +17,19 @@ on each rank where HSDP's take 1 / inner; the weights (FSDP2's sharded parameter
 the main weights) stay 1 / inner.
 
 Each piece is a DTensor on the outer dimension and its parameter's own mesh dimensions,
-sharded on every one of them its parameter is sharded on: a gradient norm over the
-optimizer's parameters (torch.nn.utils.clip_grad_norm_, or ours) reduces over every rank
-holding a piece. The optimizer's state dict holds each state tensor in its parameter's
-layout (gathered across the outer dimension for the occasion), the layout FSDP's and HSDP's
-hold: a checkpoint loads into any data-parallel layout, and theirs into this one.
+sharded on every one of them its parameter is sharded on, so that what an optimizer does
+with it (elementwise updates) and a gradient norm over the optimizer's parameters
+(optimizer/clip_grads.py) are right: the norm reduces over every rank holding a piece. Its
+global layout is not the parameter's (a piece of an uneven row shard has none DTensor can
+describe): read weights from the model and state from `optimizer.state_dict()`, never a
+piece's `full_tensor()`. The optimizer's state dict holds each state tensor in its
+parameter's layout (gathered across the outer dimension for the occasion, so a copy:
+`optimizer.load_state_dict` puts a loaded one back), the layout FSDP's and HSDP's hold: a
+checkpoint loads into any data-parallel layout, and theirs into this one.
+
+Whether a parameter has a gradient is agreed across the outer dimension before each
+reduction (a parameter unused on one replica's data still gets the others' gradient), so
+every rank issues the same collectives.
 """
 
 from __future__ import annotations
@@ -89,7 +97,6 @@ class OuterShardedOptimizerState:
         self.mean = mean  # divide the outer sum by the outer size (not with per-token loss)
         self.comm_dtype = comm_dtype
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self._reduced = False  # this step's gradients are in the pieces
         rank = dist.get_rank(group)
         self._slots: list[_Slot] = []
         self._by_dtype: dict[torch.dtype, list[_Slot]] = {}
@@ -127,6 +134,11 @@ class OuterShardedOptimizerState:
             raise ValueError("outer_dp_sharding_strategy='optim': this model's parameters are already in an "
                              "optimizer; shard one optimizer per model")
         for group in optimizer.param_groups:
+            foreign = [tuple(p.shape) for p in group["params"] if id(p) not in self._by_param]
+            if foreign:
+                raise ValueError("outer_dp_sharding_strategy='optim': the optimizer also holds parameters of another "
+                                 f"model (shapes {foreign[:3]}); build one optimizer per HFSDP model")
+        for group in optimizer.param_groups:
             group["params"] = [self._by_param[id(p)].piece for p in group["params"]]
         self.optimizer = optimizer
 
@@ -143,34 +155,61 @@ class OuterShardedOptimizerState:
         device = self._by_dtype[param_dtype][0].param.to_local().device
         return torch.zeros(rows, self._widths[param_dtype], dtype=dtype or param_dtype, device=device)
 
+    def _check_views(self) -> None:
+        """The pieces must still be views of the shards: something that reallocates the model's
+        parameters after fully_shard (`module.to(...)`) would leave the optimizer stepping copies."""
+        for s in self._slots:
+            if s.end > s.start and s.piece.to_local().data_ptr() != s.shard()[s.start:].data_ptr():
+                raise RuntimeError("outer_dp_sharding_strategy='optim': the model's sharded parameters were "
+                                   "reallocated after fully_shard (a .to() or load_state_dict(assign=True)?), so the "
+                                   "optimizer no longer steps them; move, cast or assign before fully_shard")
+
+    def _agree_on_gradients(self) -> list[bool]:
+        """Which parameters have a gradient on some rank of the outer dimension (one small
+        all-reduce): those are reduced, with zeros where a rank has none, and stepped everywhere."""
+        device = self._slots[0].param.to_local().device if self._slots else torch.device("cpu")
+        has = torch.tensor([s.param.grad is not None for s in self._slots], dtype=torch.int32, device=device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.group)
+        return has.bool().tolist()
+
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """The model's sharded gradients, reduced across the outer dimension into the pieces'
-        gradients (added to what they hold, as autograd would); then the model's are dropped.
-        Nothing happens when there is nothing new (every rank alike: all ran the backward)."""
-        if self._reduced or all(s.param.grad is None for s in self._slots):
-            return
+        gradients (added to what they hold, as autograd would); then the model's are dropped,
+        so a second call with no backward in between changes nothing."""
+        self._check_views()
+        has_grad = self._agree_on_gradients()
         for dtype, slots in self._by_dtype.items():
+            slots = [s for s in slots if has_grad[s.index]]
+            if not slots:
+                continue
             comm_dtype = self.comm_dtype or dtype
             send = self._buffer(dtype, self.outer, comm_dtype)
             for s in slots:
                 if s.param.grad is not None:
                     _pack(send[:, s.offset:s.offset + s.chunk], s.param.grad.to_local().view(-1), s.chunk)
+            # fp16 sums can overflow: divide first there (fp32 and bf16 have the range to divide after).
+            pre_divide = self.mean and comm_dtype == torch.float16
+            if pre_divide:
+                send.div_(self.outer)
             received = self._buffer(dtype, 1, comm_dtype).view(-1)
             dist.reduce_scatter_tensor(received, send.view(-1), op=dist.ReduceOp.SUM, group=self.group)
-            if self.mean:
+            if self.mean and not pre_divide:
                 received.div_(self.outer)
             received = received.to(dtype)
             for s in slots:
-                if s.param.grad is None:
-                    continue
                 grad = s.as_piece(received[s.offset:s.offset + s.end - s.start])
                 if s.piece.grad is None:
                     s.piece.grad = grad
                 else:
                     s.piece.grad += grad
                 s.param.grad = None
-        self._reduced = True
+
+    @torch.no_grad()
+    def scale_gradients(self, factor: float) -> None:
+        for s in self._slots:
+            if s.piece.grad is not None:
+                s.piece.grad.mul_(factor)
 
     def _gather(self, pieces: dict[int, torch.Tensor], into: dict[int, torch.Tensor]) -> None:
         """`into[i]` (slot i's flattened shard) := slot i's pieces from every outer rank, where
@@ -194,13 +233,12 @@ class OuterShardedOptimizerState:
     @torch.no_grad()
     def gather_weights(self) -> None:
         """Every replica's shards := the pieces the optimizer updated."""
+        self._check_views()
         self._gather({s.index: s.piece.to_local() for s in self._slots}, {s.index: s.shard() for s in self._slots})
-        self._reduced = False
 
     def zero_grad(self) -> None:
         for s in self._slots:
             s.piece.grad = None
-        self._reduced = False
 
     def _indexed_slots(self) -> list[_Slot]:
         """The slots in the order the optimizer's state dict numbers its parameters."""
@@ -209,19 +247,25 @@ class OuterShardedOptimizerState:
     @torch.no_grad()
     def _state_to_param_layout(self, state_dict: dict) -> dict:
         slots = self._indexed_slots()
-        # The packed state holds the optimizer's own per-parameter dicts: replace, never edit them.
-        state_dict = {**state_dict, "state": {i: dict(state) for i, state in state_dict["state"].items()}}
-        keys = sorted({key for index, state in state_dict["state"].items() for key, value in state.items()
-                       if isinstance(value, DTensor) and value.shape == slots[index].piece.shape})
+        live = state_dict["state"]  # the optimizer's own per-parameter dicts and tensors
+
+        def is_piece(index, value):
+            return isinstance(value, DTensor) and value.shape == slots[index].piece.shape
+
+        # Gathered tensors are new; the rest ("step") are copied too, so that a DCP load into this
+        # dict without `optimizer.load_state_dict` restores nothing rather than steps without moments.
+        state = {i: {k: v.clone() if torch.is_tensor(v) and not is_piece(i, v) else v for k, v in entries.items()}
+                 for i, entries in live.items()}
+        keys = sorted({key for i, entries in live.items() for key, value in entries.items() if is_piece(i, value)})
         for key in keys:  # one gather per state key (Adam: exp_avg, exp_avg_sq) and dtype
-            held = {index: state[key] for index, state in state_dict["state"].items() if key in state}
+            held = {i: entries[key] for i, entries in live.items() if key in entries}
             pieces = {slots[i].index: value.to_local() for i, value in held.items()}
             into = {slots[i].index: torch.empty(slots[i].numel, dtype=value.dtype, device=value.device)
                     for i, value in held.items()}
             self._gather(pieces, into)
             for i in held:
-                state_dict["state"][i][key] = slots[i].as_param(into[slots[i].index])
-        return state_dict
+                state[i][key] = slots[i].as_param(into[slots[i].index])
+        return {**state_dict, "state": state}
 
     def _state_to_pieces(self, state_dict: dict) -> dict:
         slots = self._indexed_slots()
