@@ -79,7 +79,8 @@ class DistributedDataParallelConfig:
         "nccl_ub": "NCCL user buffers are not supported",
         "fsdp_double_buffer": "a Megatron-FSDP option",
         "outer_dp_sharding_strategy": "a Megatron-FSDP option; HSDP replicates across "
-                                      "num_distributed_optimizer_instances",
+                                      "num_distributed_optimizer_instances (HFSDP, the optimizer sharded "
+                                      "across replicas too, is megatron_fsdp.fully_shard's)",
         "disable_symmetric_registration": "a Megatron-FSDP option",
         "delay_wgrad_compute": "not implemented",
     }
