@@ -136,7 +136,8 @@ def _check_no_shard_mesh(device_mesh: DeviceMesh, dp_shard_dim, dp_outer_dim, tp
                          f"in this order), got {device_mesh.mesh_dim_names}")
     if device_mesh.size() != dist.get_world_size():
         raise NotImplementedError(f"fully_shard: zero_dp_strategy 0 / 'no_shard' on a device_mesh of "
-                                  f"{device_mesh.size()} of the {dist.get_world_size()} ranks: give a mesh of every rank")
+                                  f"{device_mesh.size()} of the {dist.get_world_size()} ranks: give a mesh of "
+                                  "every rank")
 
 
 def _no_shard_mesh(device_type: str, device_mesh: Optional[DeviceMesh], tp_dim: Optional[str]) -> DeviceMesh:
@@ -147,7 +148,8 @@ def _no_shard_mesh(device_type: str, device_mesh: Optional[DeviceMesh], tp_dim: 
     if device_mesh is None or tp_dim is None:
         return init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=("dp_replicate", "dp_shard"))
     ranks = device_mesh.mesh.reshape(-1, 1, device_mesh[tp_dim].size())
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard", tp_dim))["dp_replicate", "dp_shard"]
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard", tp_dim))
+    return mesh["dp_replicate", "dp_shard"]
 
 
 def _compute_dtype(module: nn.Module) -> Optional[torch.dtype]:
