@@ -102,12 +102,17 @@ def train_like_one_process(model_name, strategy, **kwargs):
         model.finish_grad_sync()
         opt.step()
         opt.zero_grad()
-    expected = one_process_reference(model_name, world)
+    assert_like_one_process(model, model_name, world)
+    return model, opt
+
+
+def assert_like_one_process(model, model_name, world, microbatches=1):
+    """Every full parameter of the sharded `model` equals one_process_reference's (1e-5)."""
+    expected = one_process_reference(model_name, world, microbatches)
     got = {name: gathered(p).detach() for name, p in model.module.named_parameters()}
     assert got.keys() == expected.keys()
     for name in got:
         torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
-    return model, opt
 
 
 def adam_run(path, steps, *, resume_from=None, seed=0, precreated=True, **kwargs):

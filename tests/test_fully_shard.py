@@ -13,8 +13,8 @@ from torch import nn
 import megatron_fsdp
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 
-from fully_shard_models import (STEPS, EncoderStack, SmallCNN, adam_run, batch, gathered, loss_of,
-                                one_process_reference, train_like_one_process)
+from fully_shard_models import (STEPS, EncoderStack, SmallCNN, adam_run, assert_like_one_process, batch, gathered,
+                                loss_of, train_like_one_process)
 
 def _case_training_matches_reference(model_name, strategy, **kwargs):
     model, _ = train_like_one_process(model_name, strategy, **kwargs)
@@ -54,9 +54,7 @@ def _case_accumulation_syncs_once():
         opt.step()
         model.install_optimized_model_weights()
         model.zero_grad_buffer()
-    expected = one_process_reference("encoder", world, microbatches=2)
-    for name, p in model.module.named_parameters():
-        torch.testing.assert_close(gathered(p).detach(), expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert_like_one_process(model, "encoder", world, microbatches=2)
 
 
 def test_accumulation_with_auto_sync_off_then_on_equals_summed_gradients(pools):

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model
 from megatron_fsdp.optimizer.clip_grads import get_grad_norm_fp32
 
-from fully_shard_models import (STEPS, EncoderStack, SmallCNN, TwoLayerMLP, adam_run, batch, gathered, loss_of,
-                                one_process_reference, train_like_one_process)
+from fully_shard_models import (STEPS, EncoderStack, SmallCNN, TwoLayerMLP, adam_run, assert_like_one_process, batch,
+                                gathered, loss_of, train_like_one_process)
 
 
 def _hybrid(outer_strategy="no_shard"):
@@ -120,9 +120,7 @@ def _case_hfsdp_gradient_lifecycle():
             model.finish_grad_sync()
         opt.step()
         opt.zero_grad()
-    expected = one_process_reference("encoder", world, microbatches=2)
-    for name, p in model.module.named_parameters():
-        torch.testing.assert_close(gathered(p).detach(), expected[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert_like_one_process(model, "encoder", world, microbatches=2)
 
 
 def test_hfsdp_reduces_every_microbatch_and_a_skipped_step_leaves_nothing_behind(pools):
