@@ -232,8 +232,8 @@ class OuterShardedOptimizerState:
 
     @torch.no_grad()
     def gather_weights(self) -> None:
-        """Every replica's shards := the pieces the optimizer updated."""
-        self._check_views()
+        """Every replica's shards := the pieces the optimizer updated. (The step's pre-hook,
+        reduce_gradients, checked just before that the pieces still view the shards.)"""
         self._gather({s.index: s.piece.to_local() for s in self._slots}, {s.index: s.shard() for s in self._slots})
 
     def zero_grad(self) -> None:
