@@ -19,10 +19,8 @@ class _Pools:
         return pool
 
     def close(self):
-        for pool in self._pools.values():  # every pool's ranks shut down at once, then are joined
-            pool.ask_to_stop()
         for pool in self._pools.values():
-            pool.join()
+            pool.close()
 
 
 def pytest_configure(config):
