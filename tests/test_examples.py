@@ -2,6 +2,7 @@
 
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -75,23 +76,40 @@ def test_readme_python_snippets_run_as_written(tmp_path, index, pools):
     assert [code for code, _ in outcomes] == [0] * nproc, "".join(out for _, out in outcomes)[-4000:]
 
 
-def _script_with_bad_flag(rank: int, *flags: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+BAD_FLAGS = ["--num-layers", "0", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--micro-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]
 
 
 @pytest.mark.e2e
 def test_a_bad_flag_is_one_line_on_rank_zero_with_exit_code_2():
-    flags = ["--num-layers", "0", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-             "--micro-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--vocab-size", "64"]
-    first = _script_with_bad_flag(0, *flags)
-    assert first.returncode == 2
-    assert first.stderr.strip().splitlines() == ["pretrain_gpt.py: error: --num-layers must be a positive integer, got 0"]
-    other = _script_with_bad_flag(1, *flags)
-    assert other.returncode == 2 and other.stderr == "" and other.stdout == ""
-    unknown = _script_with_bad_flag(0, *flags[2:], "--num-layers", "2", "--no-such-flag")
-    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
+    """The script as a process, as rank 0 of 4 sees it: one line on stderr, exit code 2."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="4")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pretrain_gpt.py"), *BAD_FLAGS],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["pretrain_gpt.py: error: --num-layers must be a positive integer, got 0"]
+
+
+def _script_in_process(monkeypatch, capfd, rank: int, *flags: str) -> tuple[int, str, str]:
+    """examples/pretrain_gpt.py run in this process as rank `rank` of 4: (exit code, stdout, stderr).
+    A flag error ends it before anything distributed starts, so no process group is needed."""
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    script = os.path.join(ROOT, "examples", "pretrain_gpt.py")
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(script, run_name="__main__")
+    out, err = capfd.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_a_bad_flag_is_silent_on_the_other_ranks_and_an_unknown_flag_is_one_line(monkeypatch, capfd):
+    code, out, err = _script_in_process(monkeypatch, capfd, 1, *BAD_FLAGS)
+    assert (code, out, err) == (2, "", "")
+    code, out, err = _script_in_process(monkeypatch, capfd, 0, *BAD_FLAGS[2:], "--num-layers", "2", "--no-such-flag")
+    assert code == 2 and out == "" and err.strip().splitlines() == [
+        "pretrain_gpt.py: error: unrecognized arguments: --no-such-flag"], err
 
 
 def test_sequence_parallel_at_tp1_warns_and_is_turned_off():
