@@ -11,6 +11,7 @@ to save.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import multiprocessing as mp
@@ -50,6 +51,10 @@ def _free_port() -> int:
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str]) -> None:
     sys.path[:] = sys_path
+    # A spawned process inherits "spawn" as its default start method; a process torchrun starts
+    # has Linux's "fork", which is what a job's data loader workers get there (spawning them
+    # pickles the dataset's index arrays into each: seconds per worker).
+    mp.set_start_method("fork", force=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -103,13 +108,16 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker_main, daemon=True,
+            # Not daemonic: a case may start processes of its own (a pretrain() job's data loader
+            # workers); close() ends the ranks, at the latest when this process exits.
+            ctx.Process(target=_worker_main, daemon=False,
                         args=(rank, world_size, port, self._tasks[rank], self._results, list(sys.path)))
             for rank in range(world_size)
         ]
         for p in self._procs:
             p.start()
         self.broken = False
+        atexit.register(self.close)
 
     def run(self, func, *args, timeout: float = 180.0, **kwargs) -> list:
         """Run `func(*args, **kwargs)` on every rank; return the results by rank."""

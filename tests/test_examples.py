@@ -3,12 +3,13 @@
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from pretrain_in_pool import script_job
+from pretrain_in_pool import pretrain_gpt_job, script_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_LINE = re.compile(
@@ -17,19 +18,30 @@ LOG_LINE = re.compile(
     r"\| lm loss: ([\d.E+-]+) \|.*\| grad norm: ([\d.]+) \|")
 
 
-def _run(*extra_args: str) -> tuple[list[tuple[int, float, float]], str]:
+def _rows(out: str) -> list[tuple[int, float, float]]:
+    """(iteration, loss, grad norm) of each log line."""
+    rows = [LOG_LINE.search(line) for line in out.splitlines()]
+    return [(int(m[1]), float(m[3]), float(m[4])) for m in rows if m]
+
+
+def _run(*extra_args: str) -> tuple[list[tuple[int, float, float]], str, int, list[str]]:
+    """The README's command with `extra_args`: its log rows, its stdout, and the processes and
+    example flags it launched (read off bash's trace of its torchrun line)."""
     env = dict(os.environ, MEGATRON_FSDP_VENV=os.path.dirname(os.path.dirname(sys.executable)))
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "pretrain_gpt_tiny.sh"), *extra_args],
+    proc = subprocess.run(["bash", "-x", os.path.join(ROOT, "scripts", "pretrain_gpt_tiny.sh"), *extra_args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    rows = [LOG_LINE.search(line) for line in proc.stdout.splitlines()]
-    return [(int(m[1]), float(m[3]), float(m[4])) for m in rows if m], proc.stdout
+    (launch,) = [shlex.split(line[2:]) for line in proc.stderr.splitlines() if line.startswith("+ exec ")]
+    nproc = int(launch[launch.index("--nproc-per-node") + 1])
+    flags = launch[launch.index("examples/pretrain_gpt.py") + 1:]
+    assert flags[len(flags) - len(extra_args):] == list(extra_args), flags
+    return _rows(proc.stdout), proc.stdout, nproc, flags[:len(flags) - len(extra_args)]
 
 
 @pytest.mark.e2e
-def test_readme_pretraining_command_trains_and_resumes(tmp_path):
+def test_readme_pretraining_command_trains_and_resumes(tmp_path, pools):
     ckpt = str(tmp_path / "ckpt")
-    rows, out = _run("--train-iters", "16", "--log-interval", "4", "--save", ckpt, "--save-interval", "8")
+    rows, out, nproc, flags = _run("--train-iters", "16", "--log-interval", "4", "--save", ckpt, "--save-interval", "8")
     assert "tensor-parallel 2 x data-parallel 2" in out
     assert "> FSDP2 copy ops: megatron_fsdp's kernels" in out  # on by default in pretrain(), and said so
     assert [r[0] for r in rows] == [4, 8, 12, 16], rows
@@ -37,11 +49,17 @@ def test_readme_pretraining_command_trains_and_resumes(tmp_path):
     assert losses[-1] < losses[0] - 0.5, f"loss did not go down: {losses}"
     assert all(r[2] > 0 for r in rows)
 
-    # Pretend the run stopped after iteration 8: resuming reproduces 9..16 exactly.
+    # Pretend the run stopped after iteration 8: resuming with the command's flags reproduces
+    # 9..16 exactly. (What a resume computes: pretrain() on the worker pool's ranks, not another
+    # launch; the launcher ran above.)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("8\n")
-    resumed, out = _run("--train-iters", "16", "--log-interval", "4", "--load", ckpt)
+    outcomes = pools(nproc).run(pretrain_gpt_job, [*flags, "--train-iters", "16", "--log-interval", "4",
+                                                   "--load", ckpt], timeout=400)
+    out = "".join(text for _, text in outcomes)
+    assert [code for code, _ in outcomes] == [0] * nproc, out[-3000:]
     assert "loaded checkpoint" in out and "at iteration 8" in out
+    resumed = _rows(out)
     assert resumed == rows[2:], f"resumed {resumed} != uninterrupted {rows[2:]}"
 
 
