@@ -51,7 +51,7 @@ def own_process_group_job():
         os.environ["MASTER_PORT"] = saved_port
 
 
-def _job(argv: list[str], main) -> tuple[int, str]:
+def run_job(argv: list[str], main) -> tuple[int, str]:
     """`main()` with sys.argv = argv in its own process group, stdout captured: (exit code, stdout)."""
     saved_argv, sys.argv = sys.argv, argv
     out, code = io.StringIO(), 0
@@ -75,7 +75,7 @@ def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
         pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
         pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
                               pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
-    return _job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], main)
+    return run_job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], main)
 
 
 def generate_gpt_job(argv: list[str]) -> tuple[int, str]:
@@ -83,10 +83,10 @@ def generate_gpt_job(argv: list[str]) -> tuple[int, str]:
     if os.path.join(ROOT, "examples") not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, "examples"))
     path = os.path.join(ROOT, "examples", "generate_gpt.py")
-    return _job([path, *argv], lambda: runpy.run_path(path, run_name="__main__"))
+    return run_job([path, *argv], lambda: runpy.run_path(path, run_name="__main__"))
 
 
 def script_job(path: str) -> tuple[int, str]:
     """Run the Python script at `path` as `__main__` on every rank of the pool, as torchrun would
     with the pool's world size: (exit code, this rank's stdout)."""
-    return _job([path], lambda: runpy.run_path(path, run_name="__main__"))
+    return run_job([path], lambda: runpy.run_path(path, run_name="__main__"))

@@ -10,9 +10,12 @@ d/go exists, writing d/received_<rank> once its --exit-signal-handler has
 seen a SIGTERM: the test signals the job from outside (a rank, torchrun, or
 every process group) while the ranks wait, then lets them go on. The script
 and the package are untouched: the fault wraps
-megatron_fsdp.training.training.train_step and the example's model_provider.
+megatron_fsdp.training.training.train_step and the example's model_provider,
+for the job only (`injected`), so a worker pool's rank can run one as a case
+(`nan_fault_job`) and go on unpatched.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -25,12 +28,6 @@ import pretrain_gpt  # noqa: E402
 
 from megatron_fsdp.enums import ModelType  # noqa: E402
 from megatron_fsdp.training import training  # noqa: E402
-
-FAULT = os.environ["MEGATRON_FSDP_FAULT"]
-RANK = int(os.environ["FAULT_RANK"])
-ITERATION = int(os.environ["FAULT_ITERATION"])
-current = {"iteration": 0}
-here = int(os.environ["RANK"]) == RANK
 
 
 def _sigterm_seen() -> bool:
@@ -53,33 +50,58 @@ def wait_for_signal(directory: str, timeout: float = 300.0) -> None:
         time.sleep(0.05)
 
 
-original_train_step = training.train_step
+@contextlib.contextmanager
+def injected(fault: str, rank: int, at_iteration: int, seconds: float = 0.0, directory: str = ""):
+    """Inside: training.train_step carries the fault; yields the model provider to pretrain with."""
+    current = {"iteration": 0}
+    here = int(os.environ["RANK"]) == rank
+    original_train_step = training.train_step
+
+    def train_step(*args, iteration=None, **kwargs):
+        current["iteration"] = iteration + 1  # train_step's argument counts the iterations already done
+        if fault == "stall" and here and current["iteration"] == at_iteration:
+            time.sleep(seconds)
+        result = original_train_step(*args, iteration=iteration, **kwargs)
+        if fault == "signal" and current["iteration"] == at_iteration:
+            wait_for_signal(directory)
+        return result
+
+    def model_provider(*args, **kwargs):
+        model = pretrain_gpt.model_provider(*args, **kwargs)
+
+        def poison(module, inputs, output):
+            if here and current["iteration"] == at_iteration:
+                return output * float("nan")
+            return output
+
+        if fault == "nan":
+            model.embedding.register_forward_hook(poison)
+        return model
+
+    training.train_step = train_step
+    try:
+        yield model_provider
+    finally:
+        training.train_step = original_train_step
 
 
-def train_step(*args, iteration=None, **kwargs):
-    current["iteration"] = iteration + 1  # train_step's argument counts the iterations already done
-    if FAULT == "stall" and here and current["iteration"] == ITERATION:
-        time.sleep(float(os.environ["FAULT_SECONDS"]))
-    result = original_train_step(*args, iteration=iteration, **kwargs)
-    if FAULT == "signal" and current["iteration"] == ITERATION:
-        wait_for_signal(os.environ["FAULT_DIR"])
-    return result
-
-
-def model_provider(*args, **kwargs):
-    model = pretrain_gpt.model_provider(*args, **kwargs)
-
-    def poison(module, inputs, output):
-        if here and current["iteration"] == ITERATION:
-            return output * float("nan")
-        return output
-
-    if FAULT == "nan":
-        model.embedding.register_forward_hook(poison)
-    return model
-
-
-training.train_step = train_step
-if __name__ == "__main__":
+def pretrain_with(model_provider) -> None:
+    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider,
                           ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
+
+
+def nan_fault_job(argv: list[str], rank: int, iteration: int) -> tuple[int, str]:
+    """A worker pool case: the job with rank `rank`'s loss NaN in `iteration`: (exit code, stdout)."""
+    from pretrain_in_pool import run_job
+
+    def main():
+        with injected("nan", rank, iteration) as model_provider:
+            pretrain_with(model_provider)
+    return run_job([os.path.join(ROOT, "tests", "pretrain_with_faults.py"), *argv], main)
+
+
+if __name__ == "__main__":
+    with injected(os.environ["MEGATRON_FSDP_FAULT"], int(os.environ["FAULT_RANK"]), int(os.environ["FAULT_ITERATION"]),
+                  float(os.environ.get("FAULT_SECONDS", "0")), os.environ.get("FAULT_DIR", "")) as provider:
+        pretrain_with(provider)

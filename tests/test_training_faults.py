@@ -15,6 +15,8 @@ import time
 import pytest
 
 from job_output import assert_one_line_error, error_lines
+from pretrain_in_pool import pretrain_gpt_job
+from pretrain_with_faults import nan_fault_job
 
 from megatron_fsdp import _torch_compat
 
@@ -46,7 +48,7 @@ def _tracker(ckpt) -> str:
 
 
 @pytest.mark.e2e
-def test_nan_loss_on_one_rank_stops_every_rank_and_saves_nothing_bad(tmp_path):
+def test_nan_loss_on_one_rank_stops_every_rank_and_saves_nothing_bad(tmp_path, pools):
     ckpt = str(tmp_path / "ckpt")
     fault = dict(MEGATRON_FSDP_FAULT="nan", FAULT_RANK=1, FAULT_ITERATION=3)
     proc, _ = _run("tests/pretrain_with_faults.py", "--train-iters", "6", "--save", ckpt, "--save-interval", "1",
@@ -58,23 +60,32 @@ def test_nan_loss_on_one_rank_stops_every_rank_and_saves_nothing_bad(tmp_path):
     assert _tracker(ckpt) == "2"  # iteration 3's poisoned state was never saved
     assert not os.path.exists(os.path.join(ckpt, "iter_0000003"))
 
-    # With the check off the run goes on, and the log counts the NaN iterations.
-    proc, _ = _run("tests/pretrain_with_faults.py", "--train-iters", "4", "--no-check-for-nan-in-loss-and-grad",
-                   fault=fault)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {m[1]: m for m in map(LOSS.search, proc.stdout.splitlines()) if m}
-    assert rows["2"][3] == "0" and rows["3"][3] == "1" and rows["3"][2].lower() == "nan", proc.stdout
+    # With the check off the run goes on, and the log counts the NaN iterations (what the job
+    # computes: in the worker pool).
+    outcomes = pools(NPROC).run(nan_fault_job, [*FLAGS, "--train-iters", "4", "--no-check-for-nan-in-loss-and-grad"],
+                                1, 3, timeout=400)
+    out = "".join(text for _, text in outcomes)
+    assert [code for code, _ in outcomes] == [0] * NPROC, out[-3000:]
+    rows = {m[1]: m for m in map(LOSS.search, out.splitlines()) if m}
+    assert rows["2"][3] == "0" and rows["3"][3] == "1" and rows["3"][2].lower() == "nan", out
+
+
+def _pretrain_in_pool(pools, *args: str) -> str:
+    """examples/pretrain_gpt.py with FLAGS on the pool's NPROC ranks, for what a job computes
+    rather than what the launcher does: the ranks' stdout."""
+    outcomes = pools(NPROC).run(pretrain_gpt_job, [*FLAGS, *args], timeout=400)
+    out = "".join(text for _, text in outcomes)
+    assert all(code == 0 for code, _ in outcomes), out[-3000:]
+    return out
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, pools):
     """The uninterrupted run (with data loader worker processes) the signalled runs must repeat,
-    and its checkpoint of iteration 3."""
+    and its checkpoint of iteration 3 (pretrain() in the worker pool)."""
     ckpt = str(tmp_path_factory.mktemp("reference") / "ckpt")
-    proc, _ = _run("examples/pretrain_gpt.py", "--train-iters", "6", "--num-workers", "2", "--save", ckpt,
-                   "--save-interval", "3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _losses(proc.stdout), ckpt
+    out = _pretrain_in_pool(pools, "--train-iters", "6", "--num-workers", "2", "--save", ckpt, "--save-interval", "3")
+    return _losses(out), ckpt
 
 
 def _saved_files(ckpt: str, iteration: int) -> dict:
@@ -108,7 +119,7 @@ def _wait_for(paths: list[str], proc: subprocess.Popen, timeout: float) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["one rank", "torchrun", "every process group"])
-def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path, reference, mode):
+def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path, reference, mode, pools):
     """--exit-signal-handler with data loader worker processes (--num-workers 2): SIGTERM to one
     rank, to torchrun (which forwards it to each worker's process group, then waits
     --shutdown-timeout before SIGKILL), or to every process group at once (the workers' data
@@ -163,9 +174,8 @@ def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path,
     # resumes for real.
     assert _saved_files(ckpt, 3) == _saved_files(reference_ckpt, 3)
     if mode == "every process group":
-        resumed, _ = _run("examples/pretrain_gpt.py", "--train-iters", "6", "--num-workers", "2", "--load", ckpt)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert _losses(resumed.stdout) == {k: v for k, v in losses.items() if k > 3}
+        resumed = _pretrain_in_pool(pools, "--train-iters", "6", "--num-workers", "2", "--load", ckpt)
+        assert _losses(resumed) == {k: v for k, v in losses.items() if k > 3}
 
 
 @pytest.mark.e2e
