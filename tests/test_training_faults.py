@@ -2,7 +2,9 @@
 ranks under torchrun, FSDP=2: every rank but one, and sharded checkpoints),
 with the fault injected by tests/pretrain_with_faults.py. Two ranks show what
 four did at half the interpreter starts on a 2-core machine; TP x FSDP jobs
-under torchrun are the README command's test (tests/test_examples.py)."""
+under torchrun are the README command's test (tests/test_examples.py). What a
+job computes rather than what the launcher does (the uninterrupted reference
+run, the resume, the NaN run with the check off) runs in the worker pool."""
 
 import json
 import os
