@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 
+# Above this many threads in a rank the pool is replaced after the case (see _most_threads).
+_MAX_THREADS = 200
+
+
 @dataclass
 class RankError:
     rank: int
@@ -151,7 +155,21 @@ class WorkerPool:
                 raise CaseTimedOut(f"case {func.__name__} timed out after {timeout}s; ranks {missing} "
                                    "did not finish (a hang in a collective?)")
             outcomes[rank] = outcome
+        if self._most_threads() > _MAX_THREADS:
+            self.close()  # the next case gets a fresh pool (conftest's pools)
         return outcomes
+
+    def _most_threads(self) -> int:
+        """The most threads in one rank (Linux; 0 elsewhere). A pretrain() job's process groups
+        outlive it in the rank (about 60 threads each at 4 ranks), and their idle threads wake:
+        3% of a core per rank after 6 jobs, enough to slow every later test on 2 cores."""
+        counts = [0]
+        for p in self._procs:
+            try:
+                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+            except OSError:
+                pass
+        return max(counts)
 
     def close(self) -> None:
         """End every rank now. Between cases a rank holds nothing that a clean exit would save
