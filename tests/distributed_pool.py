@@ -161,7 +161,7 @@ class WorkerPool:
 
     def _most_threads(self) -> int:
         """The most threads in one rank (Linux; 0 elsewhere). A pretrain() job's process groups
-        outlive it in the rank (about 60 threads each at 4 ranks), and their idle threads wake:
+        outlive it in the rank (30-60 threads each at 4 ranks), and their idle threads wake:
         3% of a core per rank after 6 jobs, enough to slow every later test on 2 cores."""
         counts = [0]
         for p in self._procs:

@@ -65,17 +65,21 @@ def run_job(argv: list[str], main) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
-    """Run `pretrain_gpt.py *argv` on every rank of the pool: (exit code, this rank's stdout)."""
+def pretrain_example(model_provider=None) -> None:
+    """What `pretrain_gpt.py`'s `__main__` does, with another model provider if given."""
     if os.path.join(ROOT, "examples") not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, "examples"))
     import pretrain_gpt
 
-    def main():
-        pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-        pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                              pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
-    return run_job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], main)
+    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                          model_provider or pretrain_gpt.model_provider, pretrain_gpt.ModelType.encoder_or_decoder,
+                          pretrain_gpt.forward_step)
+
+
+def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
+    """Run `pretrain_gpt.py *argv` on every rank of the pool: (exit code, this rank's stdout)."""
+    return run_job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], pretrain_example)
 
 
 def generate_gpt_job(argv: list[str]) -> tuple[int, str]:

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import pretrain_gpt  # noqa: E402
 
-from megatron_fsdp.enums import ModelType  # noqa: E402
 from megatron_fsdp.training import training  # noqa: E402
+from pretrain_in_pool import pretrain_example, run_job  # noqa: E402
 
 
 def _sigterm_seen() -> bool:
@@ -85,23 +85,15 @@ def injected(fault: str, rank: int, at_iteration: int, seconds: float = 0.0, dir
         training.train_step = original_train_step
 
 
-def pretrain_with(model_provider) -> None:
-    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
-    pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider,
-                          ModelType.encoder_or_decoder, pretrain_gpt.forward_step)
-
-
 def nan_fault_job(argv: list[str], rank: int, iteration: int) -> tuple[int, str]:
     """A worker pool case: the job with rank `rank`'s loss NaN in `iteration`: (exit code, stdout)."""
-    from pretrain_in_pool import run_job
-
     def main():
         with injected("nan", rank, iteration) as model_provider:
-            pretrain_with(model_provider)
+            pretrain_example(model_provider)
     return run_job([os.path.join(ROOT, "tests", "pretrain_with_faults.py"), *argv], main)
 
 
 if __name__ == "__main__":
     with injected(os.environ["MEGATRON_FSDP_FAULT"], int(os.environ["FAULT_RANK"]), int(os.environ["FAULT_ITERATION"]),
                   float(os.environ.get("FAULT_SECONDS", "0")), os.environ.get("FAULT_DIR", "")) as provider:
-        pretrain_with(provider)
+        pretrain_example(provider)
