@@ -38,7 +38,8 @@ GLOO_DIMS = ("dp", "dp_cp", "dp_shard_cp")
 # after a re-initialization can be handed an earlier, equal mesh: its process
 # groups must still be alive. Re-initializing with a layout seen before
 # therefore reuses its mesh, and groups are never destroyed while the default
-# process group lives (torch frees them with it).
+# process group lives. The cache lets go of them (release_meshes) at shutdown,
+# or at the latest when a later initialization finds a new default group.
 _MESH_CACHE: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh]]] = {}
 _MESH_CACHE_OWNER: Optional[dist.ProcessGroup] = None  # the default group the cache belongs to
 _GLOO_CACHE: dict[tuple, dict[str, dist.ProcessGroup]] = {}  # gloo groups by layout, same owner
@@ -154,10 +155,8 @@ def build_meshes(device_type: str, shape: tuple[int, ...],
     global _MESH_CACHE_OWNER
     default_group = _torch_compat.default_group()
     if _MESH_CACHE_OWNER is not default_group:
-        _MESH_CACHE.clear()  # meshes of an earlier, destroyed default group
-        _GLOO_CACHE.clear()
-        if _MESH_CACHE_OWNER is not None:  # and DTensor's specs that may still name them
-            _torch_compat.clear_dtensor_sharding_caches()
+        if _MESH_CACHE_OWNER is not None:  # meshes of an earlier, destroyed default group
+            release_meshes()
         _MESH_CACHE_OWNER = default_group
     key = (device_type, shape, names)
     if key in _MESH_CACHE:
@@ -169,6 +168,23 @@ def build_meshes(device_type: str, shape: tuple[int, ...],
         dim_meshes[flat] = _torch_compat.flatten_mesh(mesh[tuple(sorted(dims, key=names.index))], flat)
     _MESH_CACHE[key] = (mesh, dim_meshes)
     return mesh, dim_meshes
+
+
+def release_meshes() -> None:
+    """Drop every cached mesh and gloo group, for a default group that is being (or has been)
+    destroyed. torch frees a group, with its threads and sockets, only when nothing refers to
+    it, and DTensor's caches keep meshes for the rest of the process: the meshes let go of their
+    groups first. Without this, each pretrain() in one process left its groups behind: 30-60
+    threads per job at 4 ranks, all of them waking now and then."""
+    global _MESH_CACHE_OWNER
+    for mesh, dim_meshes in _MESH_CACHE.values():
+        for m in (mesh, *dim_meshes.values()):
+            _torch_compat.drop_mesh_process_groups(m)  # DTensor's own caches keep meshes
+    _MESH_CACHE.clear()
+    _GLOO_CACHE.clear()
+    if _MESH_CACHE_OWNER is not None:  # and DTensor's specs that may still name them
+        _torch_compat.clear_dtensor_sharding_caches()
+    _MESH_CACHE_OWNER = None
 
 
 def group_ranks(mesh_ranks: torch.Tensor, names: tuple[str, ...], dims: tuple[str, ...]) -> list[list[int]]:

@@ -64,11 +64,12 @@ PRIVATE_NAMES = {
 }
 CUDA_BUILD_ONLY = {"torch._C:_cuda_getArchFlags"}  # absent from CPU builds of torch (cuda_arch_flags)
 
-# On DTensors, FSDP2's FSDPParam (per parameter) and its module state; read at run time.
+# On DTensors, DeviceMeshes, FSDP2's FSDPParam (per parameter) and its module state; read at run time.
 FSDP_PRIVATE_ATTRIBUTES = {
     "dtensor": ("_local_tensor",),
     "state": ("_fsdp_param_groups (torch >= 2.12) or _fsdp_param_group (torch 2.11)",),
     "param_group": ("fsdp_params",),
+    "mesh": ("_pg_registry",),  # where this torch has it (drop_mesh_process_groups)
     "param": ("unsharded_accumulated_grad", "_unsharded_param", "_sharded_local_tensor", "_sharded_param_data",
               "_sharded_post_forward_param_data", "sharded_state", "param_dtype", "offload_to_cpu"),
 }
@@ -150,6 +151,20 @@ def flatten_mesh(mesh, name: str):
     """One 1-D mesh over all dims of `mesh` (a slice of a root mesh), registered
     under `name` in the root (`DeviceMesh._flatten`; same signature 2.11-2.14)."""
     return mesh._flatten(name)
+
+
+def drop_mesh_process_groups(mesh) -> None:
+    """Make a mesh of a destroyed default group let go of its process groups.
+
+    `DeviceMesh._pg_registry` (a dict on the root mesh, for every group of it
+    and its views; torch.compile's lookups only): DTensor's caches keep meshes
+    (sharding specs, redistribution plans, topology) for the rest of the
+    process, and through that dict every group of the mesh, each with its
+    threads and sockets (tests/test_parallel_state.py checks that a finished
+    job leaves none alive). On a torch without the dict there is nothing to drop."""
+    registry = getattr(mesh, "_pg_registry", None)
+    if registry is not None:
+        registry.clear()
 
 
 def clear_dtensor_sharding_caches() -> None:

@@ -63,6 +63,10 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
+    # Before any process group, as in a script (FSDP2 imports it): its functions take the
+    # default group of the moment they are imported as a default argument, so a first import
+    # inside a case would keep that case's own group (a pretrain() job's) alive in the rank.
+    import torch.distributed.nn  # noqa: F401
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -160,9 +164,11 @@ class WorkerPool:
         return outcomes
 
     def _most_threads(self) -> int:
-        """The most threads in one rank (Linux; 0 elsewhere). A pretrain() job's process groups
-        outlive it in the rank (30-60 threads each at 4 ranks), and their idle threads wake:
-        3% of a core per rank after 6 jobs, enough to slow every later test on 2 cores."""
+        """The most threads in one rank (Linux; 0 elsewhere). A guard: a case whose threads
+        outlive it (process groups kept alive, 30-60 threads each at 4 ranks, as pretrain() jobs
+        did before _process_groups.release_meshes) would slow every later case, as idle threads
+        wake: 3% of a core per rank after 6 such jobs, on 2 cores. Leaks themselves are tested
+        where they would arise (test_parallel_state)."""
         counts = [0]
         for p in self._procs:
             try:

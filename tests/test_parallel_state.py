@@ -8,6 +8,7 @@ of the library's DeviceMesh construction.
 """
 
 import datetime
+import weakref
 
 import pytest
 import torch
@@ -302,6 +303,41 @@ def _case_new_world_clears_dtensor_caches() -> int:
 
 def test_a_new_default_group_clears_dtensor_sharding_caches(pools):
     assert pools(WORLD).run(_case_new_world_clears_dtensor_caches) == [1] * WORLD
+
+
+def _job_with_groups() -> list:
+    """A job's life in its own default group: every model-parallel and gloo group, a DTensor
+    redistribution over the 2D (dp, tp) mesh (DTensor's planner and topology caches keep the
+    mesh), then the entry points' shutdown. Weak references to every group it made."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from megatron_fsdp.training.initialize import shutdown_distributed
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=True)
+    mesh = ps.get_device_mesh()["dp_shard", "tp"]
+    x = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0), Shard(1)])
+    # (2, 4) ones on each of 2 x 2 ranks
+    assert x.redistribute(mesh, [Replicate(), Replicate()]).to_local().sum().item() == 2 * 4 * 4
+    groups = [ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+              ps.get_data_parallel_group_gloo(), dist.group.WORLD, *mesh.get_all_groups()]
+    refs = [weakref.ref(g) for g in groups]
+    del x, mesh, groups
+    shutdown_distributed()
+    return refs
+
+
+def _case_a_finished_job_leaves_no_group_alive() -> int:
+    from pretrain_in_pool import own_process_group_job
+
+    with own_process_group_job():
+        refs = _job_with_groups()
+    return sum(ref() is not None for ref in refs)
+
+
+def test_a_finished_job_leaves_no_process_group_alive(pools):
+    # Each group keeps threads and sockets: pretrain() run twice in one process (the worker pool
+    # runs dozens) kept every earlier job's groups, 30-60 threads per job at 4 ranks, all waking.
+    assert pools(WORLD).run(_case_a_finished_job_leaves_no_group_alive) == [0] * WORLD
 
 
 # ------------------------------------------------------------------- errors

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _torch_compat, parallel_state, tensor_parallel
+from .._process_groups import release_meshes
 from ..num_microbatches_calculator import destroy_num_microbatches_calculator, init_num_microbatches_calculator
 from ..utils import is_distributed
 from .global_vars import set_args
@@ -69,6 +70,7 @@ def shutdown_distributed(*, failed: bool = False, timeout: timedelta = DEFAULT_S
             "see its error") from exc
     parallel_state.destroy_model_parallel()
     store, world, rank = _torch_compat.default_store(), dist.get_world_size(), dist.get_rank()
+    release_meshes()  # so that destroying the default group frees every group (threads, sockets)
     dist.destroy_process_group()
     global _SHUTDOWNS
     _SHUTDOWNS += 1
