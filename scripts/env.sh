@@ -45,9 +45,14 @@ elif "$PY" -c "import pip, sys; sys.exit(tuple(map(int, pip.__version__.split('.
   echo "[env] warning: this pip predates PEP 660 editable installs (pip >= 21.3)" >&2
 fi
 
-# One interpreter start answers both "is torch there?" and "which torch?" (the build's hash).
-torch_id() { "$PY" -c 'import torch; print(torch.__version__, torch.__file__)' 2>/dev/null; }
-torch_now="$(torch_id || true)"
+# One interpreter start answers "is torch there?", "which torch?" (the build's hash) and "how
+# many GPUs does it see?" (GPU_COUNT, for layout.sh: each import of torch costs a second or more).
+torch_probe() {
+  torch_now="" GPU_COUNT=""
+  { read -r torch_now; read -r GPU_COUNT; } < <("$PY" -c 'import torch; print(torch.__version__, torch.__file__)
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null) || true
+}
+torch_probe
 if [ -z "$torch_now" ]; then
   if [ -n "${MEGATRON_FSDP_TORCH:-}" ]; then
     torch_req="$MEGATRON_FSDP_TORCH"
@@ -59,7 +64,11 @@ if [ -z "$torch_now" ]; then
   fi
   echo "[env] installing $torch_req" >&2
   "$PY" -m pip install -q "$torch_req"
-  torch_now="$(torch_id)"
+  torch_probe
+  if [ -z "$torch_now" ]; then
+    echo "[env] torch does not import after installing $torch_req" >&2
+    exit 1
+  fi
 fi
 
 # Prints those of the requirements given that are not installed (pytest older than 7 counts).

@@ -1,5 +1,5 @@
 # The example jobs' parallel layout, from what this machine has. Sourced after
-# env.sh (needs $PY); sets NPROC, TP, DP and TP_FLAGS.
+# env.sh (needs $PY; uses its GPU_COUNT); sets NPROC, TP, DP and TP_FLAGS.
 #
 #   NPROC  processes on this node. Default: one per GPU that torch sees (NCCL
 #          needs a GPU per process), or 4 CPU worker processes (gloo) without one.
@@ -10,7 +10,8 @@
 
 is_count() { case "$1" in '' | *[!0-9]* | 0*) return 1 ;; esac; }   # 1, 2, ...: no sign, no leading 0
 if [ -z "${NPROC:-}" ]; then
-  GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+  # env.sh's torch probe has counted them already (GPU_COUNT); ask torch only without it.
+  GPUS="${GPU_COUNT:-$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')}"
   if [ "$GPUS" -gt 0 ]; then NPROC="$GPUS"; else NPROC=4; fi
 fi
 if ! is_count "$NPROC"; then

@@ -32,6 +32,8 @@ def _run(*extra_args: str) -> tuple[list[tuple[int, float, float]], str, int, li
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     (launch,) = [shlex.split(line[2:]) for line in proc.stderr.splitlines() if line.startswith("+ exec ")]
+    # Before the launch, one interpreter start asks torch what it is and how many GPUs it sees.
+    assert sum("import torch" in line for line in proc.stderr.splitlines() if line.startswith("+")) == 1, proc.stderr
     nproc = int(launch[launch.index("--nproc-per-node") + 1])
     flags = launch[launch.index("examples/pretrain_gpt.py") + 1:]
     assert flags[len(flags) - len(extra_args):] == list(extra_args), flags

@@ -26,6 +26,7 @@ def _layout(tmp_path, gpus, **env):
     (3, {}, "3 1 3 --tensor-model-parallel-size 1"),
     (8, {"TP": "4"}, "8 4 2 --tensor-model-parallel-size 4 --sequence-parallel"),
     (0, {"NPROC": "2"}, "2 2 1 --tensor-model-parallel-size 2 --sequence-parallel"),
+    (0, {"GPU_COUNT": "8"}, "8 2 4 --tensor-model-parallel-size 2 --sequence-parallel"),  # env.sh's count
 ])
 def test_layout_follows_the_machine(tmp_path, gpus, env, expected):
     proc = _layout(tmp_path, gpus, **env)
