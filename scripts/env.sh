@@ -1,5 +1,6 @@
 # Creates (or reuses) the project's virtual environment and installs what
-# megatron_fsdp needs. Sourced by the other scripts; sets $PY.
+# megatron_fsdp needs. Sourced by the other scripts; sets $PY (and GPU_COUNT, the GPUs
+# torch sees, for layout.sh).
 #
 #   MEGATRON_FSDP_VENV   where the environment lives (default: <repo>/.venv); `system`
 #                        uses $PYTHON itself, with the torch it has (a GPU image with
