@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 
-# Above this many threads in a rank the pool is replaced after the case (see _most_threads).
-_MAX_THREADS = 200
+# Threads in a rank (it idles at about 30) above which the pool renews its ranks' process group
+# after a case, and above which, even then, the case has left something alive (_check_threads).
+_MAX_THREADS = 120
 
 
 @dataclass
@@ -69,7 +70,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
     import torch.distributed.nn  # noqa: F401
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    _init_pool_group()
     _freeze_survivors()
     while True:  # until the pool ends the process (WorkerPool.close)
         module_name, func_name, args, kwargs = tasks.get()
@@ -82,6 +83,27 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
             _reset_globals()
             _freeze_survivors()
         results.put((rank, outcome))
+
+
+def _init_pool_group() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # RANK, WORLD_SIZE, MASTER_*
+
+
+def _renew_process_group() -> None:
+    """A pool task: end this rank's process group, every group made in it with it, and start a
+    new one on a new port. The groups of a layout live as long as the default group (meshes are
+    cached per layout, as Megatron keeps its groups after destroy_model_parallel), so cases that
+    try many layouts pile up threads (gloo's, 2-4 per group per rank) that wake now and then."""
+    import torch.distributed as dist
+    from megatron_fsdp.training.initialize import shutdown_distributed
+
+    port = [_free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    shutdown_distributed()  # what a job does last: the meshes let go, then the default group
+    os.environ["MASTER_PORT"] = str(port[0])
+    _init_pool_group()
 
 
 def _freeze_survivors() -> None:
@@ -146,7 +168,11 @@ class WorkerPool:
     def _run(self, func, args, kwargs, timeout):
         if self.broken:
             raise RuntimeError("worker pool is broken")
-        task = (func.__module__, func.__name__, args, kwargs)
+        outcomes = self._run_task((func.__module__, func.__name__, args, kwargs), func.__name__, timeout)
+        self._check_threads(func.__name__)
+        return outcomes
+
+    def _run_task(self, task, name, timeout):
         for q in self._tasks:
             q.put(task)
         outcomes = [None] * self.world_size
@@ -156,26 +182,39 @@ class WorkerPool:
             except queue.Empty:
                 self.close()
                 missing = [r for r, o in enumerate(outcomes) if o is None]
-                raise CaseTimedOut(f"case {func.__name__} timed out after {timeout}s; ranks {missing} "
+                raise CaseTimedOut(f"case {name} timed out after {timeout}s; ranks {missing} "
                                    "did not finish (a hang in a collective?)")
             outcomes[rank] = outcome
-        if self._most_threads() > _MAX_THREADS:
-            self.close()  # the next case gets a fresh pool (conftest's pools)
         return outcomes
 
-    def _most_threads(self) -> int:
-        """The most threads in one rank (Linux; 0 elsewhere). A guard: a case whose threads
-        outlive it (process groups kept alive, 30-60 threads each at 4 ranks, as pretrain() jobs
-        did before _process_groups.release_meshes) would slow every later case, as idle threads
-        wake: 3% of a core per rank after 6 such jobs, on 2 cores. Leaks themselves are tested
-        where they would arise (test_parallel_state)."""
-        counts = [0]
-        for p in self._procs:
+    def _check_threads(self, case: str) -> None:
+        """After a case: ranks over _MAX_THREADS renew their process group (_renew_process_group);
+        still over it, the case has left something alive, and fails by name (the next case gets a
+        fresh pool). A finished pretrain() job once kept all its groups (30-60 threads per job at
+        4 ranks, fixed in _process_groups.release_meshes and tested in test_parallel_state)."""
+        if not self._over_thread_limit():
+            return
+        errors = [o[1] for o in self._run_task(("distributed_pool", "_renew_process_group", (), {}),
+                                               "_renew_process_group", 60.0) if o[0] == "error"]
+        if errors:
+            self.close()
+            raise CaseFailed(f"_renew_process_group (after {case})", errors)
+        leaking = self._over_thread_limit()
+        if leaking:
+            self.close()
+            raise AssertionError(f"case {case} left threads alive: {leaking} threads by rank after "
+                                 f"it and a new process group (at most {_MAX_THREADS}); something "
+                                 "of the case (a data loader? a group of its own?) outlives it")
+
+    def _over_thread_limit(self) -> dict[int, int]:
+        """{rank: threads} for the ranks above _MAX_THREADS (Linux; elsewhere nothing is counted)."""
+        counts = {}
+        for rank, p in enumerate(self._procs):
             try:
-                counts.append(len(os.listdir(f"/proc/{p.pid}/task")))
+                counts[rank] = len(os.listdir(f"/proc/{p.pid}/task"))
             except OSError:
                 pass
-        return max(counts)
+        return {rank: n for rank, n in counts.items() if n > _MAX_THREADS}
 
     def close(self) -> None:
         """End every rank now. Between cases a rank holds nothing that a clean exit would save

@@ -8,6 +8,7 @@ of the library's DeviceMesh construction.
 """
 
 import datetime
+import os
 import weakref
 
 import pytest
@@ -338,6 +339,61 @@ def test_a_finished_job_leaves_no_process_group_alive(pools):
     # Each group keeps threads and sockets: pretrain() run twice in one process (the worker pool
     # runs dozens) kept every earlier job's groups, 30-60 threads per job at 4 ranks, all waking.
     assert pools(WORLD).run(_case_a_finished_job_leaves_no_group_alive) == [0] * WORLD
+
+
+def _case_make_groups(count: int) -> int:
+    for _ in range(count):
+        dist.new_group(list(range(WORLD)), backend="gloo")
+    return len(os.listdir("/proc/self/task"))
+
+
+def _case_threads_and_a_sum() -> tuple[int, float]:
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return len(os.listdir("/proc/self/task")), x.item()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are counted in /proc")
+def test_the_pool_renews_its_group_when_cases_pile_up_groups(pools):
+    # Meshes are cached per layout for the default group's life, so the layout cases pile up
+    # groups; each costs threads that wake. Past _MAX_THREADS the pool renews its ranks' group.
+    from distributed_pool import _MAX_THREADS
+
+    pool = pools(WORLD)
+    assert min(pool.run(_case_make_groups, 40)) > _MAX_THREADS  # gloo: at least 2 threads a group
+    threads, sums = zip(*pool.run(_case_threads_and_a_sum))
+    assert max(threads) <= _MAX_THREADS and sums == (WORLD,) * WORLD
+    assert not pool.broken
+
+
+def test_the_pool_fails_a_case_whose_threads_outlive_even_a_new_group(monkeypatch):
+    # The harness's guard for leaks to come. Checked with this process as the one "rank" and the
+    # renewal recorded, so that no pool is started or lost for it.
+    import threading
+    from distributed_pool import _MAX_THREADS, WorkerPool
+
+    class ThisProcess:
+        pid = os.getpid()
+        kill = join = staticmethod(lambda: None)
+
+    pool = WorkerPool.__new__(WorkerPool)
+    pool._procs, pool.broken, renewals = [ThisProcess()], False, []
+    monkeypatch.setattr(pool, "_run_task", lambda task, *_: renewals.append(task[1]) or [("ok", None)],
+                        raising=False)
+    pool._check_threads("_case_fine")
+    assert renewals == [] and not pool.broken
+    stop = threading.Event()
+    leaked = [threading.Thread(target=stop.wait, daemon=True) for _ in range(_MAX_THREADS)]
+    for t in leaked:
+        t.start()
+    try:
+        with pytest.raises(AssertionError, match=r"case _case_leaking left threads alive: \{0: \d+\}"):
+            pool._check_threads("_case_leaking")
+    finally:
+        stop.set()
+        for t in leaked:
+            t.join()
+    assert renewals == ["_renew_process_group"] and pool.broken
 
 
 # ------------------------------------------------------------------- errors
