@@ -366,22 +366,37 @@ def test_the_pool_renews_its_group_when_cases_pile_up_groups(pools):
     assert not pool.broken
 
 
+def _case_raising() -> None:
+    raise ValueError("the case's own error")
+
+
 def test_the_pool_fails_a_case_whose_threads_outlive_even_a_new_group(monkeypatch):
     # The harness's guard for leaks to come. Checked with this process as the one "rank" and the
-    # renewal recorded, so that no pool is started or lost for it.
+    # pool's tasks answered here, so that no pool is started or lost for it.
     import threading
-    from distributed_pool import _MAX_THREADS, WorkerPool
+    from distributed_pool import _MAX_THREADS, RankError, WorkerPool
 
     class ThisProcess:
         pid = os.getpid()
         kill = join = staticmethod(lambda: None)
 
-    pool = WorkerPool.__new__(WorkerPool)
-    pool._procs, pool.broken, renewals = [ThisProcess()], False, []
-    monkeypatch.setattr(pool, "_run_task", lambda task, *_: renewals.append(task[1]) or [("ok", None)],
-                        raising=False)
+    tasks = []
+
+    def answer(task, *_):
+        tasks.append(task[1])
+        if task[1] == "_case_raising":
+            return [("error", RankError(0, "ValueError", "the case's own error", ""))]
+        return [("ok", None)]
+
+    def fresh_pool():
+        pool = WorkerPool.__new__(WorkerPool)
+        pool.world_size, pool._procs, pool.broken = 1, [ThisProcess()], False
+        monkeypatch.setattr(pool, "_run_task", answer, raising=False)
+        return pool
+
+    pool = fresh_pool()
     pool._check_threads("_case_fine")
-    assert renewals == [] and not pool.broken
+    assert tasks == [] and not pool.broken
     stop = threading.Event()
     leaked = [threading.Thread(target=stop.wait, daemon=True) for _ in range(_MAX_THREADS)]
     for t in leaked:
@@ -389,11 +404,18 @@ def test_the_pool_fails_a_case_whose_threads_outlive_even_a_new_group(monkeypatc
     try:
         with pytest.raises(AssertionError, match=r"case _case_leaking left threads alive: \{0: \d+\}"):
             pool._check_threads("_case_leaking")
+        assert tasks == ["_renew_process_group"] and pool.broken
+        # A case that raised reports its own error first; the leak is a warning, the pool replaced.
+        pool, tasks[:] = fresh_pool(), []
+        with pytest.warns(UserWarning, match="after case _case_raising, which raised on some rank: "
+                                             "case _case_raising left threads alive"):
+            (error,) = pool.run_expecting_errors(_case_raising)
+        assert error.message == "the case's own error" and pool.broken
+        assert tasks == ["_case_raising", "_renew_process_group"]
     finally:
         stop.set()
         for t in leaked:
             t.join()
-    assert renewals == ["_renew_process_group"] and pool.broken
 
 
 # ------------------------------------------------------------------- errors
