@@ -95,7 +95,7 @@ def _renew_process_group() -> None:
     """A pool task: end this rank's process group, every group made in it with it, and start a
     new one on a new port. The groups of a layout live as long as the default group (meshes are
     cached per layout, as Megatron keeps its groups after destroy_model_parallel), so cases that
-    try many layouts pile up threads (gloo's, 2-4 per group per rank) that wake now and then."""
+    try many layouts pile up gloo's threads (a few per group per rank), which wake now and then."""
     import torch.distributed as dist
     from megatron_fsdp.training.initialize import shutdown_distributed
 
