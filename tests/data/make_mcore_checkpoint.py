@@ -91,10 +91,10 @@ def _load(path: str, seed: int):
 
 
 def check_load(path: str) -> None:
-    """Megatron-Core loads the torch_dist checkpoint at `path` (our export) into a differently
-    initialized model, and the fixture's own checkpoint into a third; prints the largest difference
-    of the logits of the first from those of the second, computed here (bitwise the same weights
-    give exactly 0.0), and from expected.pt's (written on another machine, whose CPU kernels may
+    """Megatron-Core loads the torch_dist checkpoint at `path` (our export) into one model and the
+    fixture's own checkpoint into another, each initialized otherwise first; prints the largest
+    difference of the first's logits from the second's, both computed here (bitwise the same
+    weights give exactly 0.0), and from expected.pt's (written on another machine, whose CPU kernels may
     round differently in the last bits)."""
     _megatron_core_on_cpu()
     expected = torch.load(os.path.join(HERE, "mcore_torch_dist", "expected.pt"))
