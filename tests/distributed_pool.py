@@ -70,7 +70,7 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
     import torch.distributed.nn  # noqa: F401
 
     torch.set_num_threads(1)
-    _init_pool_group()
+    init_pool_group(rank, world_size)
     _freeze_survivors()
     while True:  # until the pool ends the process (WorkerPool.close)
         module_name, func_name, args, kwargs = tasks.get()
@@ -85,10 +85,25 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
         results.put((rank, outcome))
 
 
-def _init_pool_group() -> None:
+def init_pool_group(rank: int, world_size: int) -> None:
+    """The pool's own default group of a rank, on the port MASTER_PORT names."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # RANK, WORLD_SIZE, MASTER_*
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+
+
+def agree_on_free_ports(count: int) -> list[int]:
+    """`count` free ports, picked by rank 0 and told to every rank of the default group."""
+    import torch.distributed as dist
+
+    ports = [_free_port() for _ in range(count)] if dist.get_rank() == 0 else [None] * count
+    dist.broadcast_object_list(ports, src=0)
+    return ports
+
+
+def thread_count(pid="self") -> int:
+    """Threads of a process (Linux's /proc)."""
+    return len(os.listdir(f"/proc/{pid}/task"))
 
 
 def _renew_process_group() -> None:
@@ -99,11 +114,11 @@ def _renew_process_group() -> None:
     import torch.distributed as dist
     from megatron_fsdp.training.initialize import shutdown_distributed
 
-    port = [_free_port() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(port, src=0)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    (port,) = agree_on_free_ports(1)
     shutdown_distributed()  # what a job does last: the meshes let go, then the default group
-    os.environ["MASTER_PORT"] = str(port[0])
-    _init_pool_group()
+    os.environ["MASTER_PORT"] = str(port)
+    init_pool_group(rank, world_size)
 
 
 def _freeze_survivors() -> None:
@@ -218,7 +233,7 @@ class WorkerPool:
         counts = {}
         for rank, p in enumerate(self._procs):
             try:
-                counts[rank] = len(os.listdir(f"/proc/{p.pid}/task"))
+                counts[rank] = thread_count(p.pid)
             except OSError:
                 pass
         return {rank: n for rank, n in counts.items() if n > _MAX_THREADS}

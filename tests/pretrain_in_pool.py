@@ -20,11 +20,10 @@ import io
 import os
 import runpy
 import sys
-from datetime import timedelta
 
 import torch.distributed as dist
 
-from distributed_pool import _free_port
+from distributed_pool import agree_on_free_ports, init_pool_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,9 +33,7 @@ def own_process_group_job():
     """Inside: the pool's process group is gone and MASTER_PORT names a fresh port, so the job
     brings its own group (as under torchrun) and ends it; afterwards the pool's group is back."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    ports = [_free_port(), _free_port()] if rank == 0 else [None, None]
-    dist.broadcast_object_list(ports, src=0)
-    job_port, pool_port = ports
+    job_port, pool_port = agree_on_free_ports(2)
     dist.barrier()
     dist.destroy_process_group()
     saved_port = os.environ["MASTER_PORT"]
@@ -47,7 +44,7 @@ def own_process_group_job():
         if dist.is_initialized():  # a job that failed before its own shutdown
             dist.destroy_process_group()
         os.environ["MASTER_PORT"] = str(pool_port)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        init_pool_group(rank, world_size)
         os.environ["MASTER_PORT"] = saved_port
 
 
