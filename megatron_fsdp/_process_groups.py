@@ -182,8 +182,9 @@ def release_meshes() -> None:
             _torch_compat.drop_mesh_process_groups(m)  # DTensor's own caches keep meshes
     _MESH_CACHE.clear()
     _GLOO_CACHE.clear()
-    if _MESH_CACHE_OWNER is not None:  # and DTensor's specs that may still name them
-        _torch_compat.clear_dtensor_sharding_caches()
+    # And DTensor's specs and plans that may still name them, or the groups of meshes a user made
+    # (the fully_shard API takes any DeviceMesh): equal meshes of the next group would find them.
+    _torch_compat.clear_dtensor_sharding_caches()
     _MESH_CACHE_OWNER = None
 
 

@@ -51,6 +51,8 @@ PRIVATE_NAMES = {
     "torch.distributed.checkpoint.planner_helpers:_create_chunk_list": ALL,
     "torch.distributed.checkpoint.state_dict:_EXTRA_STATE": ALL,
     "torch.distributed.tensor.debug:_clear_sharding_prop_cache": ALL,
+    "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache": ALL,
+    "torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear": ALL,
     "torch:Tensor._make_wrapper_subclass": ALL,
     "torch:Tensor._version": ALL,
     "torch.nn:MultiheadAttention._reset_parameters": ALL,
@@ -168,14 +170,18 @@ def drop_mesh_process_groups(mesh) -> None:
 
 
 def clear_dtensor_sharding_caches() -> None:
-    """`tensor.debug._clear_sharding_prop_cache`: DTensor caches sharding
-    propagation by op schema, and DeviceMesh equality ignores process groups,
-    so after a new default group (destroy and init again in one process) a
-    cache hit can hand back a spec whose mesh holds the destroyed world's
-    groups ("Could not resolve the process group registered under the name N")."""
+    """`tensor.debug._clear_sharding_prop_cache`, and the redistribution planners
+    and transform plans of `tensor._redistribute`: DTensor caches these by specs
+    and meshes, and DeviceMesh equality ignores process groups, so after a new
+    default group (destroy and init again in one process) a cache hit can hand
+    back a spec or plan whose mesh holds the destroyed world's groups ("Could not
+    resolve the process group registered under the name N")."""
+    from torch.distributed.tensor import _redistribute
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
