@@ -53,6 +53,7 @@ PRIVATE_NAMES = {
     "torch.distributed.tensor.debug:_clear_sharding_prop_cache": ALL,
     "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache": ALL,
     "torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear": ALL,
+    "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh.cache_clear": ALL,
     "torch:Tensor._make_wrapper_subclass": ALL,
     "torch:Tensor._version": ALL,
     "torch.nn:MultiheadAttention._reset_parameters": ALL,
@@ -170,18 +171,22 @@ def drop_mesh_process_groups(mesh) -> None:
 
 
 def clear_dtensor_sharding_caches() -> None:
-    """`tensor.debug._clear_sharding_prop_cache`, and the redistribution planners
-    and transform plans of `tensor._redistribute`: DTensor caches these by specs
-    and meshes, and DeviceMesh equality ignores process groups, so after a new
-    default group (destroy and init again in one process) a cache hit can hand
-    back a spec or plan whose mesh holds the destroyed world's groups ("Could not
-    resolve the process group registered under the name N")."""
+    """`tensor.debug._clear_sharding_prop_cache`, the redistribution planners and
+    transform plans of `tensor._redistribute`, and `MeshTopoInfo`'s per-mesh
+    topology. DTensor caches these by specs and meshes, and DeviceMesh equality
+    ignores process groups: after a new default group (destroy and init again in
+    one process) a cache hit hands back a spec whose mesh holds the destroyed
+    world's groups ("Could not resolve the process group registered under the
+    name N"), and until cleared they keep a user's mesh alive, with its groups
+    and their threads (tests/test_parallel_state.py checks both)."""
     from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
     _redistribute.clear_redistribute_planner_cache()
     _redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
