@@ -72,19 +72,24 @@ if [ -z "$torch_now" ]; then
   fi
 fi
 
-# Prints those of the requirements given that are not installed (pytest older than 7 counts).
+# Prints those of the requirements given ("name" or "name>=version") that are not installed,
+# or older than asked (versions compared by their leading numbers).
 missing() {
   "$PY" - "$@" <<'EOF'
-import importlib.metadata, importlib.util, sys
+import importlib.metadata, importlib.util, re, sys
+
+def numbers(version):
+    return tuple(int(n) for n in re.match(r"[0-9.]*", version).group(0).strip(".").split(".") if n)
+
 for req in sys.argv[1:]:
-    name = req.split(">")[0].split("=")[0]
+    name, _, least = req.partition(">=")
     if importlib.util.find_spec(name) is None:
         print(req)
-    elif name == "pytest":
+    elif least:
         try:
-            if int(importlib.metadata.version("pytest").split(".")[0]) < 7:
+            if numbers(importlib.metadata.version(name)) < numbers(least):
                 print(req)
-        except (importlib.metadata.PackageNotFoundError, ValueError):
+        except importlib.metadata.PackageNotFoundError:
             pass
 EOF
 }
@@ -98,10 +103,17 @@ sources_hash="$(echo "$torch_now" |
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
   echo "[env] building megatron_fsdp and its C++ extension" >&2
   # Only what is missing: with everything present, no pip at all (offline images).
-  required="$(missing "pytest>=7" numpy safetensors | tr '\n' ' ')"
-  if [ -n "$required" ] && ! "$PY" -m pip install -q $required; then
-    echo "[env] could not install $required(no network? install them, then rerun)" >&2
-    exit 1
+  # setuptools: pyproject's build requirement, which --no-build-isolation does not install; a
+  # new Python 3.11 venv has 65.5, and torch 2.11 (setuptools<82) keeps it.
+  required="$(missing "pytest>=7" numpy safetensors "setuptools>=70.1" | tr '\n' ' ')"
+  if [ -n "$required" ]; then
+    # Pinned to the installed torch's distribution version (torch.__version__ may carry a
+    # "+cu130" that its metadata lacks): pip then stays within torch's own requirements.
+    torch_dist="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
+    if ! "$PY" -m pip install -q $required "torch==$torch_dist"; then
+      echo "[env] could not install $required(no network? install them, then rerun)" >&2
+      exit 1
+    fi
   fi
   # tokenizers and tensorboard are optional at run time; the tests exercise both, and
   # transformers is the reference of the Hugging Face interchange tests (never a run-time need).
