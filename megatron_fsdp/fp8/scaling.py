@@ -105,7 +105,10 @@ class AmaxHistory:
 
     def record(self, amax: torch.Tensor) -> None:
         self.materialize(amax.device)
-        torch.maximum(self.pending, amax, out=self.pending)
+        # detach: the history is never part of autograd, and torch 2.11's torch.compile traces the
+        # fp8 linear's amax output as requiring grad (mark_non_differentiable notwithstanding),
+        # which maximum(out=...) refuses.
+        torch.maximum(self.pending, amax.detach(), out=self.pending)
         self._recorded = True
 
     def pending_amax(self, device: torch.device) -> torch.Tensor:

@@ -138,6 +138,16 @@ def _constants(block: int):
     return dict(SQRT_2_OVER_PI=_SQRT_2_OVER_PI, CUBIC=_CUBIC, CUBIC_GRAD=_CUBIC_GRAD, BLOCK=block)
 
 
+def _traceable(kernel):
+    """wrap_triton(kernel), so that torch.compile traces the launch. Under Triton's interpreter
+    (TRITON_INTERPRET=1) `triton.jit` makes an InterpretedFunction instead, which torch 2.11's
+    wrap_triton refuses and later torch hands back unwrapped: here too it runs as it is."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
+
+
 @triton_op("megatron_fsdp::bias_act_fwd", mutates_args=())
 def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int) -> torch.Tensor:
     """act(y + bias) for kind GELU, GEGLU or SWIGLU; gated: [..., C] -> [..., C / 2]."""
@@ -147,7 +157,7 @@ def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int) -> to
     n = out.numel()
     if n:
         grid, block = _launch(n, F)
-        wrap_triton(_bias_act_fwd_kernel)[grid](
+        _traceable(_bias_act_fwd_kernel)[grid](
             y, y if bias is None else bias.contiguous(), out, F, C, KIND=kind, HAS_BIAS=bias is not None, **_constants(block))
     return out
 
@@ -165,7 +175,7 @@ def bias_act_bwd(grad_out: torch.Tensor, y: torch.Tensor, bias: Optional[torch.T
     n = grad_out.numel()
     if n:
         grid, block = _launch(n, F)
-        wrap_triton(_bias_act_bwd_kernel)[grid](
+        _traceable(_bias_act_bwd_kernel)[grid](
             grad_out, y, y if bias is None else bias.contiguous(), dy, F, C, KIND=kind,
             HAS_BIAS=bias is not None, **_constants(block))
     return dy
