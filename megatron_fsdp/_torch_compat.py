@@ -42,6 +42,9 @@ PRIVATE_NAMES = {
     "torch.distributed.distributed_c10d:_get_default_group": ALL,
     "torch.distributed.distributed_c10d:_get_default_store": ALL,
     "torch.distributed.distributed_c10d:_set_pg_timeout": ALL,
+    "torch.distributed._functional_collectives:all_reduce": ALL,
+    "torch.distributed._functional_collectives:all_gather_tensor": ALL,
+    "torch.distributed._functional_collectives:reduce_scatter_tensor": ALL,
     "torch.distributed.device_mesh:DeviceMesh._flatten": ALL,
     "torch.distributed.fsdp:FSDPModule._get_fsdp_state": ALL,
     "torch.distributed.fsdp._fully_shard._fsdp_collectives:_get_param_all_gather_inputs": ALL,
@@ -146,6 +149,23 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> 
     """Change an existing group's collective timeout (`distributed_c10d._set_pg_timeout`);
     public API sets it only when a group is created."""
     dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def traced_collective(kind: str, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A sum over `group` as torch.compile must trace it, through torch's functional collectives
+    (`distributed._functional_collectives`): "all_reduce", "all_gather" or "reduce_scatter"
+    along dimension 0 of a contiguous `x`. torch 2.11 traced the in-place c10d collectives inside
+    an autograd.Function's forward or backward so that the gradient through it came out zero
+    (tests/test_tensor_parallel_layers.py compares compiled with eager mappings)."""
+    import torch.distributed._functional_collectives as funcol
+
+    if kind == "all_reduce":
+        return funcol.all_reduce(x, "sum", group)
+    if kind == "all_gather":
+        return funcol.all_gather_tensor(x, 0, group)
+    if kind == "reduce_scatter":
+        return funcol.reduce_scatter_tensor(x, "sum", 0, group)
+    raise ValueError(f"traced_collective: kind must be all_reduce, all_gather or reduce_scatter, got {kind!r}")
 
 
 # ------------------------------------------------------------------ DeviceMesh and DTensor

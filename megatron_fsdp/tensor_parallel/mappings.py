@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import parallel_state
+from .. import _torch_compat, parallel_state
 
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 has only the old names.
@@ -27,6 +27,8 @@ def _tp_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
+    if torch.compiler.is_compiling():
+        return _torch_compat.traced_collective("all_reduce", x.contiguous(), group)
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
@@ -41,7 +43,13 @@ def _split_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> tor
             f"cannot split dimension {dim} of size {x.size(dim)} evenly over "
             f"{world_size} tensor-parallel ranks"
         )
-    return x.chunk(world_size, dim=dim)[dist.get_rank(group)].contiguous()
+    part = x.chunk(world_size, dim=dim)[dist.get_rank(group)]
+    if torch.compiler.is_compiling():
+        # A fresh tensor, not a view of the input (a dim-0 chunk is contiguous already): torch
+        # 2.11's torch.compile gave an autograd.Function that returns a view of its input a zero
+        # gradient.
+        return part.clone(memory_format=torch.contiguous_format)
+    return part.contiguous()
 
 
 def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -49,6 +57,8 @@ def _all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     if world_size == 1:
         return x
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return _torch_compat.traced_collective("all_gather", x, group)
     out = x.new_empty((world_size * x.size(0),) + tuple(x.shape[1:]))
     _all_gather_single(out, x, group=group)
     return out
@@ -74,6 +84,8 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
             "divisible by the tensor-parallel size)"
         )
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return _torch_compat.traced_collective("reduce_scatter", x, group)
     out = x.new_empty((x.size(0) // world_size,) + tuple(x.shape[1:]))
     _reduce_scatter_single(out, x, group=group)
     return out
