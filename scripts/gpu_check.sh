@@ -162,6 +162,7 @@ cuda_tests() {
   limit="$(left $((180 + E2E_S)))"
   # test_fully_shard_meshes.py runs on gloo, here for the image's torch: FSDP2's handling of a
   # tensor-parallel mesh beside another mesh of the same ranks (no_shard x TP) differs by version.
+  # So do the compiled mappings and fp8 linears: torch 2.11's torch.compile traced both wrongly.
   # pytest's exit code is judged from its report below: every failing test by name. -v names each
   # test as it starts, and faulthandler dumps every thread's stack of a test that hangs, so a
   # run cut off by the limit (no report written) still says where it stopped.
@@ -171,7 +172,9 @@ cuda_tests() {
     tests/test_triton_activations.py \
     tests/test_fsdp_plan.py::test_cpu_offload_steps_on_the_cpu_and_computes_on_the_gpu \
     tests/test_fully_shard.py::test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory \
-    tests/test_fully_shard_meshes.py >"$OUT_DIR/tests.log" 2>&1 || true
+    tests/test_fully_shard_meshes.py \
+    tests/test_tensor_parallel_layers.py::test_compiled_mappings_give_eagers_values_and_gradients \
+    tests/test_torch_compile.py::test_fp8_linears_compile_whole_and_train_like_eager >"$OUT_DIR/tests.log" 2>&1 || true
   if [ ! -s "$OUT_DIR/tests.xml" ]; then
     local last
     last="$(grep -oE '^tests/[^ ]+' "$OUT_DIR/tests.log" | tail -n 1 || true)"
