@@ -152,9 +152,9 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> 
 
 
 def traced_collective(kind: str, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """A sum over `group` as torch.compile must trace it, through torch's functional collectives
-    (`distributed._functional_collectives`): "all_reduce", "all_gather" or "reduce_scatter"
-    along dimension 0 of a contiguous `x`. torch 2.11 traced the in-place c10d collectives inside
+    """A collective over `group` as torch.compile must trace it, through torch's functional
+    collectives (`distributed._functional_collectives`): "all_reduce" (sum), or "all_gather" or
+    "reduce_scatter" (sum) along dimension 0 of a contiguous `x`. torch 2.11 traced the in-place c10d collectives inside
     an autograd.Function's forward or backward so that the gradient through it came out zero
     (tests/test_tensor_parallel_layers.py compares compiled with eager mappings)."""
     import torch.distributed._functional_collectives as funcol
