@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
 
 from .gelu_constants import CUBIC as _CUBIC, CUBIC_GRAD as _CUBIC_GRAD, SQRT_2_OVER_PI as _SQRT_2_OVER_PI
 
@@ -142,9 +144,6 @@ def _traceable(kernel):
     """wrap_triton(kernel), so that torch.compile traces the launch. Under Triton's interpreter
     (TRITON_INTERPRET=1) `triton.jit` makes an InterpretedFunction instead, which torch 2.11's
     wrap_triton refuses and later torch hands back unwrapped: here too it runs as it is."""
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import JITFunction
-
     return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
 
 
