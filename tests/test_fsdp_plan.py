@@ -265,7 +265,8 @@ def test_cpu_offload_steps_on_the_cpu_and_computes_on_the_gpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
                                                            optimizer_cpu_offload=True, clip_grad=0.5), model)
         tokens = torch.randint(0, 64, (2, 8), device="cuda")
-        loss = model(tokens, None, None, labels=tokens).float().mean()
+        positions = torch.arange(8, device="cuda").expand(2, -1)  # learned absolute position embeddings
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
         assert loss.device.type == "cuda"
         loss.backward()
         model.finish_grad_sync()
