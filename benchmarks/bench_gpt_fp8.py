@@ -106,7 +106,8 @@ def time_shares(step, device) -> dict:
             torch.cuda.synchronize()
     ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
     def self_time(e):
-        return getattr(e, "self_device_time_total", e.self_cuda_time_total) if cuda else e.self_cpu_time_total
+        # (torch >= 2.11 names it self_device_time_total; self_cuda_time_total is gone there)
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
     total = sum(self_time(e) for e in ops) or 1
     return {"gemm_share": sum(self_time(e) for e in ops if e.key in GEMM_OPS) / total,
             "cast_share": sum(self_time(e) for e in ops if e.key in CAST_OPS) / total}
