@@ -17,24 +17,41 @@
 # does not hide the rest. A failure is reported by name (failing tests by test
 # id); the end says "GPU CHECK PASSED" only when every step passed and no CUDA
 # test was skipped, else "GPU CHECK FAILED" with the steps that did not, exit 1.
-# Only a machine with no usable GPU stops it at once. Budget: 9 minutes
-# (GPU_CHECK_BUDGET_S; the steps' reserves below fit in 6, what one H200 took).
+# Only a machine with no usable GPU stops it at once. Budget: GPU_CHECK_BUDGET_S
+# (default 590 s, what every step took on one H100 with torch 2.11 on 2026-11-27,
+# with margins: EXPECT_S below); GPU_CHECK_STEPS (names, space- or comma-separated)
+# runs only those steps, e.g. "build tests main_job_bf16 main_job_fp8".
 #
 # Steps: build; tests (the CUDA kernel tests, the torch-compatibility pins, the
-# FSDP copy-kernel tests); main_job_bf16 and main_job_fp8 (examples/pretrain_gpt.py
+# FSDP copy-kernel tests, the CUDA offload tests); main_job_bf16 and main_job_fp8 (examples/pretrain_gpt.py
 # on every GPU: save, --exit-interval exit, resume to the end); copy_out_reference;
 # bench_copy_in, bench_amax, bench_activations, bench_e2e, bench_gpt_fp8 (JSON lines
 # with a "case" key, in the table; bench_gpt_fp8 gets GPU_CHECK_TIME_LEFT_S seconds).
 # bench_e2e (the 1B GPT: our API, pretrain_gpt.py and plain FSDP2, eager and
-# compiled) is given GPU_CHECK_E2E_S seconds (default 210; 0 skips it).
+# compiled) is given GPU_CHECK_E2E_S seconds (default 170; 0 skips it).
+# The suite's CPU tests (gloo) under the image's torch are not run here: the image's
+# torch 2.11.0+cu130 is the wheel `pip install torch==2.11.0` gives, and the README's
+# Tests section runs the whole suite under it on any CPU machine.
 
 set -Eeuo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="$(command -v "${PYTHON:-python3}")"
 OUT_DIR="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-540}"
-E2E_S="${GPU_CHECK_E2E_S:-210}"  # kept for bench_e2e by every step before it
+BUDGET_S="${GPU_CHECK_BUDGET_S:-590}"
+E2E_S="${GPU_CHECK_E2E_S:-170}"
+ALL_STEPS=(build tests main_job_bf16 main_job_fp8 copy_out_reference bench_copy_in bench_amax bench_activations
+  bench_e2e bench_gpt_fp8)
+# Seconds each step takes (one H100, torch 2.11, a cold compile cache, 2026-11-27: build 63,
+# tests 60, a main job 50, the three kernel benchmarks 15-24, bench_e2e 149), with margins.
+# Every step keeps the expected seconds of the selected steps after it (see left()).
+declare -A EXPECT_S=([build]=75 [tests]=75 [main_job_bf16]=55 [main_job_fp8]=55 [copy_out_reference]=10
+  [bench_copy_in]=20 [bench_amax]=20 [bench_activations]=30 [bench_e2e]=$E2E_S [bench_gpt_fp8]=60)
+read -r -a SELECTED <<<"${GPU_CHECK_STEPS:-${ALL_STEPS[*]}}"
+SELECTED=(${SELECTED[@]//,/ })
+for s in "${SELECTED[@]}"; do
+  [ -n "${EXPECT_S[$s]+set}" ] || { echo "GPU_CHECK_STEPS: unknown step '$s' (steps: ${ALL_STEPS[*]})" >&2; exit 2; }
+done
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export MEGATRON_FSDP_REQUIRE_EXTENSION=1
@@ -60,12 +77,21 @@ record() {  # name status seconds detail
   echo "[gpu_check] $1: $2${4:+ ($detail)}" >&2
 }
 
-# Seconds left for a step, keeping `reserve` for the steps after it (what they
-# take on one H100, with a margin: the reserves below add up so); a step
+# Seconds left for the current step ($step), keeping the expected seconds of the
+# selected steps after it, and `extra` (a step's own later part) too; a step
 # with less than 20 s fails "out of time" (and so do the ones after it), so the
 # whole script ends near its budget and still prints its table.
-left() {
-  local n=$((BUDGET_S - SECONDS - $1))
+reserve_after() {
+  local after=0 seen=0 s
+  for s in "${ALL_STEPS[@]}"; do
+    if [ "$seen" = 1 ] && selected "$s"; then after=$((after + EXPECT_S[$s])); fi
+    [ "$s" = "$step" ] && seen=1
+  done
+  echo "$after"
+}
+selected() { [[ " ${SELECTED[*]} " == *" $1 "* ]]; }
+left() {  # [extra]
+  local n=$((BUDGET_S - SECONDS - $(reserve_after) - ${1:-0}))
   if [ "$n" -lt 20 ]; then
     echo "GPU CHECK FAILED ($step, after ${SECONDS}s): out of time (budget ${BUDGET_S}s)" >&2
     return 1
@@ -136,9 +162,13 @@ NGPU="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 # ---- 2. build the extension with CUDA, in place ----
 build_extension() {
   rm -f megatron_fsdp/_C*.so
-  limit="$(left $((220 + E2E_S)))"
+  limit="$(left)"
   run_logged build "$limit" "$PY" setup.py build_ext --inplace
   grep '^\[megatron_fsdp setup\]' "$OUT_DIR/build.log" >&2 || true
+  check_extension
+}
+
+check_extension() {
   # An error raised inside the extension must arrive as an exception: a compiler whose C++
   # runtime is not the one torch loads gives a build that dies (SIGSEGV) instead.
   "$PY" megatron_fsdp/kernels/build_check.py --package-dir megatron_fsdp --refresh >"$OUT_DIR/build_check.txt" 2>&1 \
@@ -153,16 +183,13 @@ assert kernels.extension_available(), f"extension does not import: {kernels.exte
 assert kernels.extension_has_cuda(), "the extension was built without CUDA (see build.log)"
 print("extension with CUDA:", kernels._load_extension().__file__)
 EOF
-  echo "[gpu_check] built in ${SECONDS}s: $(cat "$OUT_DIR/extension.txt")" >&2
+  echo "[gpu_check] checked after ${SECONDS}s: $(cat "$OUT_DIR/extension.txt")" >&2
 }
 
 # ---- 3. the CUDA tests, the torch pins, the FSDP copy-kernel tests ----
-cuda_tests() {
+tests() {
   local limit
-  limit="$(left $((180 + E2E_S)))"
-  # test_fully_shard_meshes.py runs on gloo, here for the image's torch: FSDP2's handling of a
-  # tensor-parallel mesh beside another mesh of the same ranks (no_shard x TP) differs by version.
-  # So do the compiled mappings and fp8 linears: torch 2.11's torch.compile traced both wrongly.
+  limit="$(left)"
   # pytest's exit code is judged from its report below: every failing test by name. -v names each
   # test as it starts, and faulthandler dumps every thread's stack of a test that hangs, so a
   # run cut off by the limit (no report written) still says where it stopped.
@@ -171,10 +198,7 @@ cuda_tests() {
     tests/test_fp8_cast_transpose.py tests/test_kernels.py tests/test_torch_compat.py tests/test_fsdp_copy_kernels.py \
     tests/test_triton_activations.py \
     tests/test_fsdp_plan.py::test_cpu_offload_steps_on_the_cpu_and_computes_on_the_gpu \
-    tests/test_fully_shard.py::test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory \
-    tests/test_fully_shard_meshes.py \
-    tests/test_tensor_parallel_layers.py::test_compiled_mappings_give_eagers_values_and_gradients \
-    tests/test_torch_compile.py::test_fp8_linears_compile_whole_and_train_like_eager >"$OUT_DIR/tests.log" 2>&1 || true
+    tests/test_fully_shard.py::test_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory >"$OUT_DIR/tests.log" 2>&1 || true
   if [ ! -s "$OUT_DIR/tests.xml" ]; then
     local last
     last="$(grep -oE '^tests/[^ ]+' "$OUT_DIR/tests.log" | tail -n 1 || true)"
@@ -200,9 +224,9 @@ PYEOF
 
 # ---- 4. the main job on every GPU: save, exit at an interval, resume to the end ----
 # A small GPT on mock data (fp8 needs local weight dims that are multiples of 16).
-main_job() {  # name reserve extra-flags...: `reserve` seconds stay for the steps after this job
-  local name="$1" reserve="$2" ckpt="$OUT_DIR/$1.ckpt" limit loss
-  shift 2
+main_job() {  # name extra-flags...
+  local name="$1" ckpt="$OUT_DIR/$1.ckpt" limit loss
+  shift
   NPROC="$NGPU" source scripts/layout.sh
   local flags=(--use-torch-fsdp2 "${TP_FLAGS[@]}" --bf16 --num-layers 2 --hidden-size 256
     --num-attention-heads 4 --ffn-hidden-size 1024 --seq-length 256 --max-position-embeddings 256
@@ -210,13 +234,13 @@ main_job() {  # name reserve extra-flags...: `reserve` seconds stay for the step
     --micro-batch-size 2 --global-batch-size $((2 * DP)) --lr 1e-3 --train-iters 12 --mock-data
     --vocab-size 1024 --log-interval 2 --save "$ckpt" --save-interval 6 --seed 1234 "$@")
   rm -rf "$ckpt"
-  limit="$(left $((reserve + 30)))"   # the resume's share: 30 s
+  limit="$(left 30)"   # the resume's share: 30 s
   run_logged "$name.first" "$limit" "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
     examples/pretrain_gpt.py "${flags[@]}" --exit-interval 6
   [ "$(cat "$ckpt/latest_checkpointed_iteration.txt" 2>/dev/null)" = 6 ] ||
     fail "the --exit-interval 6 run left no checkpoint of iteration 6 (log: $OUT_DIR/$name.first.log)"
   grep -q "iteration        6/      12" "$OUT_DIR/$name.first.log" || fail "no log line of iteration 6"
-  limit="$(left "$reserve")"
+  limit="$(left)"
   run_logged "$name.resume" "$limit" "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
     examples/pretrain_gpt.py "${flags[@]}" --load "$ckpt"
   grep -q "iteration       12/      12" "$OUT_DIR/$name.resume.log" ||
@@ -227,8 +251,8 @@ main_job() {  # name reserve extra-flags...: `reserve` seconds stay for the step
   loss="$(grep -o 'lm loss: [0-9.E+-]*' "$OUT_DIR/$name.resume.log" | tail -n 1 || true)"
   echo "[gpu_check] $NGPU GPU(s), TP=$TP x FSDP=$DP: saved at 6, exited, resumed to 12, $loss" >&2
 }
-main_job_bf16() { main_job main_job_bf16 $((130 + E2E_S)); }
-main_job_fp8() { main_job main_job_fp8 $((90 + E2E_S)) --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
+main_job_bf16() { main_job main_job_bf16; }
+main_job_fp8() { main_job main_job_fp8 --fp8-format hybrid --fp8-recipe tensorwise --fp8-param-gather; }
 
 # torch's own CUDA split_with_sizes_copy (the reference the first GPU run compared our copy-out
 # with) on a transposed output; tests/test_device_copy_kernels.py says why: recorded, not judged.
@@ -246,50 +270,44 @@ PYEOF
 }
 
 # ---- 5. benchmarks: JSON lines into $OUT_DIR/*.jsonl ----
-bench() {  # name reserve command...
+bench() {  # name command...
   local name="$1" limit
-  limit="$(left "$2")"
-  shift 2
+  limit="$(left)"
+  shift
   run_logged "$name" "$limit" "$@"
-  grep '^{' "$OUT_DIR/$name.log" >"$OUT_DIR/$name.jsonl" || fail "$name printed no results"
+  # A result is a JSON object on a line of its own (a printed Python dict is not one).
+  grep '^{"' "$OUT_DIR/$name.log" >"$OUT_DIR/$name.jsonl" || fail "$name printed no results"
   echo "[gpu_check] $(grep -c '^{' "$OUT_DIR/$name.jsonl") results" >&2
 }
-bench_copy_in() { bench bench_copy_in $((70 + E2E_S)) "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
-bench_amax() { bench bench_amax $((55 + E2E_S)) "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
-bench_activations() { bench bench_activations $((45 + E2E_S)) "$PY" benchmarks/bench_activations.py --device cuda --repeats 20; }
-bench_e2e() { bench bench_e2e 40 "$PY" benchmarks/bench_e2e.py --preset 1b --steps 10 --pretrain; }
+bench_copy_in() { bench bench_copy_in "$PY" benchmarks/bench_copy_in.py --device cuda --repeats 20; }
+bench_amax() { bench bench_amax "$PY" benchmarks/bench_amax.py --device cuda --repeats 30; }
+bench_activations() { bench bench_activations "$PY" benchmarks/bench_activations.py --device cuda --repeats 20; }
+bench_e2e() { bench bench_e2e "$PY" benchmarks/bench_e2e.py --preset 1b --steps 10 --pretrain; }
 bench_gpt_fp8() {
   local limit
-  limit="$(left 5)"
+  limit="$(left)"
   # GPU_CHECK_FP8_ARMS: its --arms (e.g. "bf16,fp8,bf16 compiled,fp8 compiled,fp8 delayed compiled").
-  GPU_CHECK_TIME_LEFT_S="$((limit - 5))" bench bench_gpt_fp8 5 "$PY" benchmarks/bench_gpt_fp8.py \
+  GPU_CHECK_TIME_LEFT_S="$((limit - 5))" bench bench_gpt_fp8 "$PY" benchmarks/bench_gpt_fp8.py \
     ${GPU_CHECK_FP8_ARMS:+--arms "$GPU_CHECK_FP8_ARMS"}
 }
 
-step build build_extension
-if [ "$STEP_OK" = 1 ]; then
-  step tests cuda_tests
-else
-  record tests "NOT RUN" 0 "the extension did not build"
-  export MEGATRON_FSDP_REQUIRE_EXTENSION=0   # the main job on the Python fallback still says something
+[ "$E2E_S" -gt 0 ] || SELECTED=(${SELECTED[@]/bench_e2e/})
+if selected build; then
+  step build build_extension
+else  # GPU_CHECK_STEPS without build: the extension built in place before, checked as the build checks it
+  step build check_extension
 fi
-step main_job_bf16 main_job_bf16
-step main_job_fp8 main_job_fp8
-step copy_out_reference copy_out_reference
-if [ "$MEGATRON_FSDP_REQUIRE_EXTENSION" = 1 ]; then
-  step bench_copy_in bench_copy_in
-  step bench_amax bench_amax
-else
-  record bench_copy_in "NOT RUN" 0 "the extension did not build"
-  record bench_amax "NOT RUN" 0 "the extension did not build"
-fi
-step bench_activations bench_activations
-if [ "$E2E_S" -gt 0 ]; then
-  step bench_e2e bench_e2e
-else
-  record bench_e2e "NOT RUN" 0 "GPU_CHECK_E2E_S=0"
-fi
-step bench_gpt_fp8 bench_gpt_fp8
+EXTENSION_OK="$STEP_OK"
+[ "$EXTENSION_OK" = 1 ] || export MEGATRON_FSDP_REQUIRE_EXTENSION=0   # the main job on the fallback still says something
+for name in "${ALL_STEPS[@]:1}"; do
+  if ! selected "$name"; then
+    record "$name" "NOT RUN" 0 "not in GPU_CHECK_STEPS$([ "$name" = bench_e2e ] && [ "$E2E_S" = 0 ] && echo ' (GPU_CHECK_E2E_S=0)')"
+  elif [ "$EXTENSION_OK" != 1 ] && [[ " tests bench_copy_in bench_amax " == *" $name "* ]]; then
+    record "$name" "NOT RUN" 0 "the extension did not build"
+  else
+    step "$name" "$name"
+  fi
+done
 
 # ---- 6. one table: the benchmarks' figures, then every step ----
 step="table"
