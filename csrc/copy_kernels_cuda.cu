@@ -41,7 +41,6 @@ struct DevicePlan {
     size_t first_tile_at;
   };
   std::vector<Launch> launches;
-  std::vector<RawCopy> raw_copies;  // the copy engine's (copy_plan.h)
   at::Tensor table;
   cudaStream_t upload_stream = nullptr;
   cudaEvent_t uploaded = nullptr;
@@ -56,7 +55,6 @@ struct DevicePlan {
 
 std::shared_ptr<DevicePlan> upload(const CopyPlan& plan, const at::Device& device, cudaStream_t stream) {
   auto dev = std::make_shared<DevicePlan>();
-  dev->raw_copies = plan.raw_copies;
   size_t bytes = 0;
   for (const CopyGroup& group : plan.groups) {
     const int64_t n = static_cast<int64_t>(group.segments.size());
@@ -88,14 +86,6 @@ std::shared_ptr<DevicePlan> upload(const CopyPlan& plan, const at::Device& devic
 }
 
 void launch(const DevicePlan& dev, const c10::cuda::CUDAStream& stream) {
-  for (const RawCopy& c : dev.raw_copies) {
-    if (c.rows == 1) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice, stream.stream()));
-    } else {
-      C10_CUDA_CHECK(cudaMemcpy2DAsync(c.dst, c.dst_pitch, c.src, c.src_pitch, c.bytes, c.rows,
-                                       cudaMemcpyDeviceToDevice, stream.stream()));
-    }
-  }
   if (dev.launches.empty()) return;
   if (stream.stream() != dev.upload_stream) {
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), dev.uploaded, 0));

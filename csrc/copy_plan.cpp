@@ -7,7 +7,6 @@
 #include "copy_plan_cache.h"
 
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <limits>
 
@@ -41,12 +40,6 @@ bool CopyPlan::add(const void* src, at::ScalarType src_type, void* dst, at::Scal
   if (!use_kernel || !copy_kind(src_type, dst_type, &kind)) return false;
   const int64_t total = n_copy + n_zero;
   if (total == 0 || rows == 0) return true;
-  const int64_t item = static_cast<int64_t>(c10::elementSize(src_type));
-  const bool rows_apart = rows == 1 || (src_row_stride >= n_copy && dst_row_stride >= n_copy);  // memcpy2D's rule
-  if (src_type == dst_type && n_zero == 0 && n_copy * item >= kRawCopyMinBytes && rows_apart) {
-    raw_copies.push_back(RawCopy{src, dst, n_copy * item, rows, src_row_stride * item, dst_row_stride * item});
-    return true;
-  }
   CopyGroup* group = nullptr;
   for (CopyGroup& g : groups) {
     if (g.kind == kind) group = &g;
@@ -170,12 +163,6 @@ void run_plan_on_host(const CopyPlan& plan) {
         }
       }
     });
-  }
-  for (const RawCopy& c : plan.raw_copies) {
-    for (int64_t row = 0; row < c.rows; ++row) {
-      std::memcpy(static_cast<char*>(c.dst) + row * c.dst_pitch,
-                  static_cast<const char*>(c.src) + row * c.src_pitch, static_cast<size_t>(c.bytes));
-    }
   }
   plan.run_aten_copies();
 }

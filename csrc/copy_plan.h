@@ -53,27 +53,10 @@ struct CopyGroup {
   std::vector<int64_t> first_tile;  // per segment, plus the total at the end
 };
 
-// A bit copy (same dtype, no padding) of at least this many bytes per row is
-// left to the copy engine: cudaMemcpyAsync, or cudaMemcpy2DAsync for rows at
-// a pitch (memcpy in the host emulation). On an H100 our kernel moved large
-// tensors at 1.12-1.25x a device memcpy's time; smaller ones stay in the one
-// launch, where a memcpy call each would cost more than their bytes.
-constexpr int64_t kRawCopyMinBytes = int64_t{1} << 20;
-
-struct RawCopy {
-  const void* src;
-  void* dst;
-  int64_t bytes;      // per row
-  int64_t rows;
-  int64_t src_pitch;  // bytes from one row to the next
-  int64_t dst_pitch;
-};
-
 struct CopyPlan {
   // false: every copy goes to ATen (e.g. while a CUDA graph is captured).
   bool use_kernel = true;
   std::vector<CopyGroup> groups;
-  std::vector<RawCopy> raw_copies;
   // Copies the kernels do not take (strided sources, rare casts), run with
   // ATen's copy_: (destination view, source), and padding to zero next to them.
   std::vector<std::pair<at::Tensor, at::Tensor>> aten_copies;
