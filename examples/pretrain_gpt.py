@@ -44,6 +44,13 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 def get_batch(data_iterator):
     """tokens, labels, loss_mask, attention_mask, position_ids of the next micro-batch, on this rank's device."""
     batch = next(data_iterator)
+    if not get_args().reset_attention_mask:
+        # Without --reset-attention-mask the dataset's mask is the causal one, which the model's
+        # causal attention applies without it: no [b, 1, s, s] copy to the device, no mask
+        # arithmetic per layer, and SDPA's flash kernel (which takes no explicit mask) instead of
+        # a masked kernel that computes every score. Megatron's Transformer Engine attention
+        # likewise ignores the mask of a causal layer.
+        batch.pop("attention_mask", None)
     device = parallel_state.get_device()
     on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     return (on_device["tokens"], on_device["labels"], on_device["loss_mask"], on_device.get("attention_mask"),
