@@ -18,6 +18,11 @@ CPU), "torch_ms" the unfused one, "torch_over_ours" their ratio (> 1: the
 fusion pays).
 Presets: 1b (hidden 2048, ffn 8192, 8192 tokens: the Llama-1B-like shape of
 issue 19), 8b (hidden 4096, ffn 14336, 4096 tokens), tiny (the CPU's).
+
+RoPE too: the rotation of a layer's queries (seq 2048 x micro-batch 4 x 16 heads x 128 at 1b,
+2048 x 2 x 32 x 128 at 8b), forward + backward, with Megatron's unfused and fused
+(apply_rope_fusion) numerics: the eager ops ("torch_ms") against the Triton kernel ("ours_ms";
+CUDA only, else the eager path again).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextlib
 import json
 import os
 import tempfile
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -34,10 +40,12 @@ import torch.nn.functional as F
 
 from _common import best_of_rounds
 from megatron_fsdp import parallel_state
+from megatron_fsdp.models.common.embeddings import rotary_pos_embedding
 from megatron_fsdp.transformer import TransformerConfig, fused_activations
 from megatron_fsdp.transformer.mlp import MLP
 
 PRESETS = {"1b": (2048, 8192, 8192), "8b": (4096, 14336, 4096), "tiny": (64, 256, 256)}  # hidden, ffn, tokens
+ROPE_SHAPES = {"1b": (2048, 4, 16, 128), "8b": (2048, 2, 32, 128), "tiny": (64, 2, 4, 16)}  # s, b, heads, head_dim
 
 
 @contextlib.contextmanager
@@ -111,6 +119,37 @@ def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, d
             "torch": torch.__version__}
 
 
+def bench_rope(shape, fused: bool, repeats: int, device, dtype) -> dict:
+    q = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(*shape, device=device, dtype=dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, shape[-1], 2, dtype=torch.float32, device=device) / shape[-1]))
+    freqs = torch.outer(torch.arange(shape[0], dtype=torch.float32, device=device), inv_freq)
+    freqs = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    config = SimpleNamespace(apply_rope_fusion=fused)
+
+    def step(kernel: bool):
+        def run():
+            saved = rotary_pos_embedding._kernels_for
+            if not kernel:
+                rotary_pos_embedding._kernels_for = lambda t: None
+            try:
+                q.grad = None  # a fresh gradient each step, not an accumulation
+                rotary_pos_embedding.apply_rotary_pos_emb(q, freqs, config).backward(grad)
+            finally:
+                rotary_pos_embedding._kernels_for = saved
+        return run
+
+    arms = {"eager": step(False)}
+    if rotary_pos_embedding._kernels_for(q) is not None:
+        arms["kernel"] = step(True)
+    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
+    ours = "kernel" if "kernel" in ms else "eager"
+    return {"case": f"rope/{'fused' if fused else 'unfused'}/{'x'.join(map(str, shape))}/{str(dtype).split('.')[-1]}",
+            "ours_ms": ms[ours], "torch_ms": ms["eager"], "torch_over_ours": round(ms["eager"] / ms[ours], 3),
+            "arm": ours, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -129,6 +168,8 @@ def main():
                 hidden, ffn, tokens = PRESETS[preset]
                 for kind in ("swiglu", "gelu"):
                     print(json.dumps(bench(kind, hidden, ffn, tokens, args.repeats, device, dtype)), flush=True)
+                for fused in (False, True):
+                    print(json.dumps(bench_rope(ROPE_SHAPES[preset], fused, args.repeats, device, dtype)), flush=True)
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()

@@ -8,6 +8,7 @@ the data-parallel wrapper, and the unsupported-option error.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Mapping, Optional
 
@@ -18,6 +19,24 @@ from . import _torch_compat
 
 
 # ---------------------------------------------------------------- the process
+
+_TRITON_MODULES: dict = {}  # module name -> the module, or False where Triton is missing
+
+
+def triton_kernels_for(tensor: torch.Tensor, module: str):
+    """The Triton kernels' module `module` (imported on first use) for a CUDA tensor, or None
+    (the caller's eager path) for other tensors and where Triton is not installed."""
+    if tensor.device.type != "cuda":
+        return None
+    found = _TRITON_MODULES.get(module)
+    if found is None:
+        try:
+            found = importlib.import_module(module)
+        except ImportError:  # a CUDA torch without Triton
+            found = False
+        _TRITON_MODULES[module] = found
+    return found or None
+
 
 def is_distributed() -> bool:
     """torch.distributed is available and its default group is up."""

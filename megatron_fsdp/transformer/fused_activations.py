@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .gelu_constants import CUBIC as _CUBIC, CUBIC_GRAD as _CUBIC_GRAD, SQRT_2_OVER_PI as _SQRT_2_OVER_PI
+from ..utils import triton_kernels_for
 
 KINDS = ("gelu", "geglu", "swiglu")
 
@@ -73,21 +74,9 @@ def _backward_fp32(g: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
     return _join(g * sig * (1 + gate * (1 - sig)) * up, g * F.silu(gate))
 
 
-_triton_kernels = None  # triton_activations once imported; False where Triton is missing
-
-
 def _kernels_for(y: torch.Tensor):
     """triton_activations for a CUDA tensor when Triton is there, else None (the eager path)."""
-    global _triton_kernels
-    if y.device.type != "cuda":
-        return None
-    if _triton_kernels is None:
-        try:
-            from . import triton_activations
-            _triton_kernels = triton_activations
-        except ImportError:  # a CUDA torch without Triton
-            _triton_kernels = False
-    return _triton_kernels or None
+    return triton_kernels_for(y, "megatron_fsdp.transformer.triton_activations")
 
 
 class BiasActivationFunction(torch.autograd.Function):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .... import parallel_state
+from ....utils import triton_kernels_for
 
 
 def llama3_frequency_scaling(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
@@ -97,6 +98,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _kernels_for(t: torch.Tensor):
+    """triton_rope for a CUDA tensor where Triton is installed, else None (the eager path)."""
+    return triton_kernels_for(t, "megatron_fsdp.models.common.embeddings.triton_rope")
+
+
+class RotaryFunction(torch.autograd.Function):
+    """The rotation by triton_rope's kernels, forward and backward (cos, sin: [s, rot])."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.fused = fused
+        return _kernels_for(t).rope_fwd(t, cos, sin, fused)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _kernels_for(grad_output).rope_bwd(grad_output, cos, sin, ctx.fused), None, None, None
+
+
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None) -> torch.Tensor:
     """Rotate the first `freqs.size(-1)` channels of t [s, b, heads, head_dim].
 
@@ -111,8 +132,16 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config=None) -> t
     freqs = _unshield(freqs)
     rot_dim = freqs.size(-1)
     freqs = freqs[: t.size(0)]
+    fused = config is not None and config.apply_rope_fusion
+    if freqs.dim() == 4 and freqs.shape[1:3] == (1, 1) and _kernels_for(t) is not None:
+        # One kernel each way, the same numerics (triton_rope.py); angles per sample take the eager path.
+        angles = freqs.reshape(t.size(0), rot_dim).float()
+        cos, sin = angles.cos(), angles.sin()
+        if not fused:
+            cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+        return RotaryFunction.apply(t, cos, sin, fused)
     t_rot, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    if config is not None and config.apply_rope_fusion:
+    if fused:
         x = t_rot.float()
         freqs = freqs.float()
         t_rot = (x * freqs.cos() + _rotate_half(x) * freqs.sin()).to(t.dtype)
