@@ -22,7 +22,9 @@ issue 19), 8b (hidden 4096, ffn 14336, 4096 tokens), tiny (the CPU's).
 RoPE too: the rotation of a layer's queries (seq 2048 x micro-batch 4 x 16 heads x 128 at 1b,
 2048 x 2 x 32 x 128 at 8b), forward + backward, with Megatron's unfused and fused
 (apply_rope_fusion) numerics: the eager ops ("torch_ms") against the Triton kernel ("ours_ms";
-CUDA only, else the eager path again).
+CUDA only, else the eager path again). And bias-dropout-add (dropout 0.1, no bias, a layer's
+[seq, micro-batch, hidden] output): unfused ops in bf16 ("torch_ms"), the eager fp32 fusion and
+the Triton kernel ("ours_ms"), forward + backward.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ import torch.nn.functional as F
 from _common import best_of_rounds
 from megatron_fsdp import parallel_state
 from megatron_fsdp.models.common.embeddings import rotary_pos_embedding
-from megatron_fsdp.transformer import TransformerConfig, fused_activations
+from megatron_fsdp.transformer import TransformerConfig, fused_activations, transformer_layer
 from megatron_fsdp.transformer.mlp import MLP
 
 PRESETS = {"1b": (2048, 8192, 8192), "8b": (4096, 14336, 4096), "tiny": (64, 256, 256)}  # hidden, ffn, tokens
+BDA_SHAPES = {"1b": (2048, 4, 2048), "8b": (2048, 2, 4096), "tiny": (64, 2, 64)}  # s, b, hidden
 ROPE_SHAPES = {"1b": (2048, 4, 16, 128), "8b": (2048, 2, 32, 128), "tiny": (64, 2, 4, 16)}  # s, b, heads, head_dim
 
 
@@ -150,6 +153,34 @@ def bench_rope(shape, fused: bool, repeats: int, device, dtype) -> dict:
             "torch": torch.__version__}
 
 
+def bench_bias_dropout_add(shape, repeats: int, device, dtype) -> dict:
+    x = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    residual = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(*shape, device=device, dtype=dtype)
+
+    def step(fused: bool, kernel: bool):
+        def run():
+            saved = transformer_layer._kernels_for
+            if not kernel:
+                transformer_layer._kernels_for = lambda t: None
+            try:
+                x.grad = residual.grad = None
+                transformer_layer.bias_dropout_add(x, None, residual, 0.1, True, fused).backward(grad)
+            finally:
+                transformer_layer._kernels_for = saved
+        return run
+
+    arms = {"unfused": step(False, False), "fused_eager": step(True, False)}
+    if transformer_layer._kernels_for(x) is not None:
+        arms["fused"] = step(True, True)
+    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
+    ours = "fused" if "fused" in ms else "fused_eager"
+    return {"case": f"bias_dropout_add/{'x'.join(map(str, shape))}/{str(dtype).split('.')[-1]}",
+            "ours_ms": ms[ours], "torch_ms": ms["unfused"], "torch_over_ours": round(ms["unfused"] / ms[ours], 3),
+            "fused_eager_ms": ms["fused_eager"], "arm": ours,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -170,6 +201,7 @@ def main():
                     print(json.dumps(bench(kind, hidden, ffn, tokens, args.repeats, device, dtype)), flush=True)
                 for fused in (False, True):
                     print(json.dumps(bench_rope(ROPE_SHAPES[preset], fused, args.repeats, device, dtype)), flush=True)
+                print(json.dumps(bench_bias_dropout_add(BDA_SHAPES[preset], args.repeats, device, dtype)), flush=True)
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()

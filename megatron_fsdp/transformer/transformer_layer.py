@@ -13,6 +13,39 @@ from .enums import AttnMaskType
 from .mlp import MLP
 from .norms import build_norm
 from .utils import reject_unsupported_inputs
+from ..utils import triton_kernels_for
+
+
+def _kernels_for(x: torch.Tensor):
+    """triton_bias_dropout_add for a CUDA tensor where Triton is installed, else None (the eager path)."""
+    return triton_kernels_for(x, "megatron_fsdp.transformer.triton_bias_dropout_add")
+
+
+class FusedBiasDropoutAdd(torch.autograd.Function):
+    """residual + dropout(x + bias) in fp32, rounded once, by triton_bias_dropout_add's kernels."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor, p: float) -> torch.Tensor:
+        # The mask's seed, from the device's generator (its state decides the mask, as F.dropout's).
+        seed = (torch.randint(0, 2 ** 62, (1,), device=x.device, dtype=torch.int64) if p > 0 else
+                torch.empty(1, device=x.device, dtype=torch.int64))
+        ctx.save_for_backward(seed)
+        ctx.p, ctx.x_dtype, ctx.bias_dtype = p, x.dtype, None if bias is None else bias.dtype
+        return _kernels_for(x).bias_dropout_add_fwd(x, bias, residual, seed, p)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (seed,) = ctx.saved_tensors
+        bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[1]
+        # With a bias to train, x's gradient in fp32 first: the bias's is its sum over the tokens
+        # before any rounding, as the eager path's autograd sums it.
+        dx = _kernels_for(grad_output).bias_dropout_add_bwd(grad_output, seed, ctx.p,
+                                                            torch.float32 if bias_grad else ctx.x_dtype)
+        dbias = None
+        if bias_grad:
+            dbias = dx.sum(dim=tuple(range(dx.dim() - 1))).to(ctx.bias_dtype)
+            dx = dx.to(ctx.x_dtype)
+        return dx, dbias, grad_output, None
 
 
 def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
@@ -22,11 +55,16 @@ def bias_dropout_add(x: torch.Tensor, bias: Optional[torch.Tensor], residual: to
     fused=False is Megatron's unfused function: each op rounds to the input
     dtype. fused=True (bias_dropout_fusion) is its compiled kernel
     (`torch.compile`), which computes in fp32 and rounds once; that changes
-    bf16/fp16 results in the last bit, not fp32 ones. (Dropout masks come from
-    the RNG either way; Megatron's compiled kernel draws them with its own
-    generator, so no implementation reproduces its masks bit for bit.)
+    bf16/fp16 results in the last bit, not fp32 ones. On CUDA the fused
+    function is one Triton kernel each way (triton_bias_dropout_add.py), its
+    masks drawn by Philox from a seed the device's generator gives; on the
+    CPU it runs as fp32 ops with F.dropout. (Megatron's compiled kernel draws
+    its masks with its own generator too, so no implementation reproduces its
+    masks bit for bit.)
     """
     if fused:
+        if _kernels_for(x) is not None:  # one kernel each way (triton_bias_dropout_add.py)
+            return FusedBiasDropoutAdd.apply(x, bias, residual, prob if training else 0.0)
         out = x.float() if bias is None else x.float() + bias.float()
         return (residual.float() + F.dropout(out, p=prob, training=training)).to(residual.dtype)
     if bias is not None:
