@@ -5,7 +5,7 @@ recipe), each eager and with `torch.compile` per block.
     python benchmarks/bench_e2e.py [--preset 1b|8b|tiny] [--steps 10] [--no-compile] [--pretrain]
     torchrun --nproc-per-node N benchmarks/bench_e2e.py ...
 
-Arms (bf16 compute, fp32 master weights and gradient reduction, AdamW):
+Arms (bf16 compute, fp32 master weights and gradient reduction, AdamW, gradients clipped at norm 1):
   api             GPTModel in TorchFullyShardedDataParallel, get_megatron_optimizer: one step is
                   zero grads, forward, backward, finish_grad_sync, optimizer.step
   api+compile     the same with torch_compile=True (--torch-compile): each TransformerLayer compiled
@@ -140,6 +140,10 @@ class PlainLlama(nn.Module):
 
 # ---------------------------------------------------------------- the arms
 
+# Every arm clips the gradients' global norm at 1.0: Megatron's default (--clip-grad, the api
+# arm's OptimizerConfig) and torchtitan's (max_norm); the plain arms with torch's clip_grad_norm_.
+CLIP_GRAD = 1.0
+
 def _api_arm(s, device, compile_layers: bool):
     config = TransformerConfig(
         num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
@@ -151,7 +155,7 @@ def _api_arm(s, device, compile_layers: bool):
                      share_embeddings_and_output_weights=False)
     ddp_config = TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=True, torch_compile=compile_layers)
     model = TorchFullyShardedDataParallel(config, ddp_config, model)
-    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=True, clip_grad=CLIP_GRAD), model)
     positions = torch.arange(s["seq"], device=device).expand(s["micro_batch"], -1)
 
     return lambda ids: api_step(model, optimizer, ids, positions)
@@ -172,6 +176,7 @@ def _plain_arm(s, device, compile_layers: bool):
         optimizer.zero_grad(set_to_none=True)
         loss = model(ids, ids)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD, foreach=True)
         optimizer.step()
         return loss
     return step
@@ -197,6 +202,7 @@ def _fully_shard_arm(s, device, compile_layers: bool):
         loss = model(ids, ids)
         loss.backward()
         model.finish_grad_sync()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD, foreach=True)
         optimizer.step()
         return loss
     return step
