@@ -2,33 +2,21 @@
 fp32 path (Megatron's formulas, fused_activations.py), forward and backward,
 with fc1's [gate; up] halves, with and without bias, in fp32, bf16 and fp16.
 
-On a GPU they run as CUDA kernels. Without one (a CUDA build of torch with
-Triton, as scripts/cuda_build_check.sh runs them) Triton's interpreter runs
-the same kernels on CPU tensors: the indexing, masking and arithmetic
-are the kernels', only the compiler is not. Skipped where Triton is missing
-(the CPU build of torch).
+On the GPU or under Triton's interpreter (triton_testing.py).
 """
-
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
-triton = pytest.importorskip("triton", reason="Triton is not installed (a CPU build of torch)")
+from triton_testing import DEVICE, ON_GPU, ONE_ULP  # first: it may start the interpreter
+from megatron_fsdp.transformer import fused_activations
+from megatron_fsdp.transformer import triton_activations as ta
 
-from megatron_fsdp.transformer import fused_activations  # noqa: E402
-from megatron_fsdp.transformer import triton_activations as ta  # noqa: E402
-
-DEVICE = "cuda" if ON_GPU else "cpu"
 # fp32: the reference's own rounding where tanh nears +-1 (it forms 1 + t and 1 - t * t from a
 # rounded t; the kernels compute both without cancellation) bounds the difference: at most about
 # 1e-7 * |x|^3 * |grad| for the GELU derivative, 5e-6 absolute in these cases; an ulp of the value
 # elsewhere. bf16/fp16: the same fp32 value rounded once, so at most an ulp of the dtype apart.
-TOLERANCE = {torch.float32: dict(rtol=4e-6, atol=1e-5), torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
-             torch.float16: dict(rtol=1e-3, atol=1e-5)}
+TOLERANCE = {**ONE_ULP, torch.float32: dict(rtol=4e-6, atol=1e-5)}
 
 
 def _case(kind, dtype, bias, rows=37, width=96, seed=0):
@@ -80,9 +68,16 @@ def test_autograd_takes_the_kernels_and_gives_the_eager_gradients(kind, monkeypa
 
 
 def test_only_cuda_tensors_take_the_kernels():
-    assert fused_activations._kernels_for(torch.ones(2)) is None
-    if ON_GPU:
-        assert fused_activations._kernels_for(torch.ones(2, device="cuda")) is ta
+    """Every eager path's dispatch to its Triton module (utils.triton_kernels_for): the activations',
+    RoPE's and bias-dropout-add's."""
+    from megatron_fsdp.models.common.embeddings import rotary_pos_embedding, triton_rope
+    from megatron_fsdp.transformer import transformer_layer, triton_bias_dropout_add
+
+    for dispatch, kernels in ((fused_activations._kernels_for, ta), (rotary_pos_embedding._kernels_for, triton_rope),
+                              (transformer_layer._kernels_for, triton_bias_dropout_add)):
+        assert dispatch(torch.ones(2)) is None
+        if ON_GPU:
+            assert dispatch(torch.ones(2, device="cuda")) is kernels
 
 
 def test_bad_arguments_are_named():

@@ -3,28 +3,15 @@ fp32 arithmetic rounded once), forward and backward, with and without bias and d
 fp32, bf16 and fp16; the dropout masks' rate, their determinism under the generator's state
 (what activation recomputation relies on) and their regeneration in backward.
 
-On a GPU they run as CUDA kernels. Without one (a CUDA build of torch with Triton, as
-scripts/cuda_build_check.sh runs them) Triton's interpreter runs the same kernels on CPU
-tensors. Skipped where Triton is missing (the CPU build of torch).
+On the GPU or under Triton's interpreter (triton_testing.py).
 """
-
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
-triton = pytest.importorskip("triton", reason="Triton is not installed (a CPU build of torch)")
-
-from megatron_fsdp.transformer import transformer_layer as layer  # noqa: E402
-from megatron_fsdp.transformer import triton_bias_dropout_add as tbda  # noqa: E402
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-# The same fp32 value rounded once: an ulp of the dtype at most (the interpreter rounds toward zero).
-TOLERANCE = {torch.float32: dict(rtol=3e-7, atol=1e-6), torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
-             torch.float16: dict(rtol=1e-3, atol=1e-5)}
+from triton_testing import DEVICE, ON_GPU, ONE_ULP as TOLERANCE  # first: it may start the interpreter
+from megatron_fsdp.transformer import transformer_layer as layer
+from megatron_fsdp.transformer import triton_bias_dropout_add as tbda
 
 
 def _inputs(dtype, bias: bool, shape=(33, 2, 48), seed=0):
@@ -98,12 +85,6 @@ def test_the_generators_state_decides_the_mask(monkeypatch):
     again = layer.bias_dropout_add(x, b, residual, 0.5, True, fused=True)
     assert torch.equal(again, first)  # a recomputation from the same state
     assert not torch.equal(second, first)  # the next call, another mask
-
-
-def test_only_cuda_tensors_take_the_kernels():
-    assert layer._kernels_for(torch.ones(2)) is None
-    if ON_GPU:
-        assert layer._kernels_for(torch.ones(2, device="cuda")) is tbda
 
 
 def test_bad_arguments_are_named():

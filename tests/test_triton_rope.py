@@ -1,34 +1,22 @@
 """The Triton RoPE kernels against the eager rotation (rotary_pos_embedding.py), forward and
 backward, with Megatron's two numerics (apply_rope_fusion on and off), whole and partial
-rotation, strided inputs (the key of the fused qkv layout), in fp32, bf16 and fp16.
-
-On a GPU they run as CUDA kernels. Without one (a CUDA build of torch with Triton, as
-scripts/cuda_build_check.sh runs them) Triton's interpreter runs the same kernels on CPU
-tensors. Skipped where Triton is missing (the CPU build of torch).
+rotation, strided inputs (the key of the fused qkv layout), in fp32, bf16 and fp16; on the GPU
+or under Triton's interpreter (triton_testing.py).
 """
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
-triton = pytest.importorskip("triton", reason="Triton is not installed (a CPU build of torch)")
+from triton_testing import DEVICE, ON_GPU, ONE_ULP as TOLERANCE  # first: it may start the interpreter
+from megatron_fsdp.models.common.embeddings import rotary_pos_embedding as rope
+from megatron_fsdp.models.common.embeddings import triton_rope
 
-from megatron_fsdp.models.common.embeddings import rotary_pos_embedding as rope  # noqa: E402
-from megatron_fsdp.models.common.embeddings import triton_rope  # noqa: E402
-
-DEVICE = "cuda" if ON_GPU else "cpu"
 # Unfused bf16/fp16: every product and sum rounded as the eager ops round it: bit for bit on the
-# GPU. fp32, and the fused path (fp32 arithmetic rounded once): the compiler may contract a product
-# and the sum into one fma, an fp32 ulp apart, so at most an ulp of the dtype. Triton's
-# interpreter rounds fp32 -> bf16/fp16 toward zero, not to nearest: there the unfused path's three
-# roundings are allowed two ulps of the products (|t| < 16 here), which the sum can cancel down to.
-TOLERANCE = {torch.float32: dict(rtol=3e-7, atol=1e-6), torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
-             torch.float16: dict(rtol=1e-3, atol=1e-5)}
+# GPU; elsewhere an ulp of the dtype. Triton's interpreter rounds toward zero: there the unfused
+# path's three roundings are allowed two ulps of the products (|t| < 16 here), which the sum can
+# cancel down to.
 INTERPRETED_UNFUSED = {torch.bfloat16: dict(rtol=1.6e-2, atol=0.125), torch.float16: dict(rtol=2e-3, atol=0.016)}
 
 
@@ -82,12 +70,6 @@ def test_strided_inputs_and_heads_wider_than_a_program(fused, monkeypatch):
     _compare(key, _angles(9, 8), fused, monkeypatch)
     wide = torch.randn(3, 1, 2, 4200, generator=g).to(DEVICE)
     _compare(wide, _angles(3, 4096), fused, monkeypatch)
-
-
-def test_only_cuda_tensors_take_the_kernels():
-    assert rope._kernels_for(torch.ones(2)) is None
-    if ON_GPU:
-        assert rope._kernels_for(torch.ones(2, device="cuda")) is triton_rope
 
 
 def test_bad_arguments_are_named():
