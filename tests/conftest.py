@@ -5,6 +5,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the Triton kernels' tests on CPU tensors (triton_testing.py). It must
+    # be chosen before anything imports Triton: Triton's own library functions (tl.rand, ...) are
+    # compiled or interpreted as Triton is imported, and a test module collected earlier may import it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from distributed_pool import WorkerPool  # noqa: E402
 
 

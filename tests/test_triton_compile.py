@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("triton", reason="Triton is not installed (a CPU build of torch)")
 if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels are then interpreted functions
-    pytest.skip("TRITON_INTERPRET=1 in this process (the interpreter tests set it): run this file in a process "
-                "of its own, as scripts/cuda_build_check.sh does", allow_module_level=True)
+    pytest.skip("TRITON_INTERPRET=1 in this process (conftest.py chooses it without a GPU): run this file "
+                "with TRITON_INTERPRET=0, as scripts/cuda_build_check.sh does", allow_module_level=True)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest.py sets it first, before Triton is imported
 pytest.importorskip("triton", reason="Triton is not installed (a CPU build of torch)")
 
 DEVICE = "cuda" if ON_GPU else "cpu"
