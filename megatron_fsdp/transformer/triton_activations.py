@@ -24,10 +24,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
-from triton.runtime.autotuner import Autotuner
-from triton.runtime.jit import JITFunction
+from torch.library import triton_op
 
+from .._triton_launch import traceable
 from .gelu_constants import CUBIC as _CUBIC, CUBIC_GRAD as _CUBIC_GRAD, SQRT_2_OVER_PI as _SQRT_2_OVER_PI
 
 # kind codes (constexpr in the kernels)
@@ -140,13 +139,6 @@ def _constants(block: int):
     return dict(SQRT_2_OVER_PI=_SQRT_2_OVER_PI, CUBIC=_CUBIC, CUBIC_GRAD=_CUBIC_GRAD, BLOCK=block)
 
 
-def _traceable(kernel):
-    """wrap_triton(kernel), so that torch.compile traces the launch. Under Triton's interpreter
-    (TRITON_INTERPRET=1) `triton.jit` makes an InterpretedFunction instead, which torch 2.11's
-    wrap_triton refuses and later torch hands back unwrapped: here too it runs as it is."""
-    return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
-
-
 @triton_op("megatron_fsdp::bias_act_fwd", mutates_args=())
 def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int) -> torch.Tensor:
     """act(y + bias) for kind GELU, GEGLU or SWIGLU; gated: [..., C] -> [..., C / 2]."""
@@ -156,7 +148,7 @@ def bias_act_fwd(y: torch.Tensor, bias: Optional[torch.Tensor], kind: int) -> to
     n = out.numel()
     if n:
         grid, block = _launch(n, F)
-        _traceable(_bias_act_fwd_kernel)[grid](
+        traceable(_bias_act_fwd_kernel)[grid](
             y, y if bias is None else bias.contiguous(), out, F, C, KIND=kind, HAS_BIAS=bias is not None, **_constants(block))
     return out
 
@@ -174,7 +166,7 @@ def bias_act_bwd(grad_out: torch.Tensor, y: torch.Tensor, bias: Optional[torch.T
     n = grad_out.numel()
     if n:
         grid, block = _launch(n, F)
-        _traceable(_bias_act_bwd_kernel)[grid](
+        traceable(_bias_act_bwd_kernel)[grid](
             grad_out, y, y if bias is None else bias.contiguous(), dy, F, C, KIND=kind,
             HAS_BIAS=bias is not None, **_constants(block))
     return dy

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from .triton_activations import _traceable
+from .._triton_launch import traceable
 
 _BLOCK = 1024
 
@@ -88,7 +88,7 @@ def bias_dropout_add_fwd(x: torch.Tensor, bias: Optional[torch.Tensor], residual
     out = torch.empty_like(residual)
     if out.numel() and H:
         grid, block = _grid(out.numel(), H)
-        _traceable(_bda_fwd_kernel)[grid](
+        traceable(_bda_fwd_kernel)[grid](
             x, x if bias is None else bias.contiguous(), residual, seed, out, H, p, 1.0 / (1.0 - p),
             HAS_BIAS=bias is not None, P=p > 0, BLOCK=block)
     return out
@@ -104,5 +104,5 @@ def bias_dropout_add_bwd(grad_out: torch.Tensor, seed: torch.Tensor, p: float,
     dx = torch.empty(grad_out.shape, dtype=dtype, device=grad_out.device)
     if dx.numel() and H:
         grid, block = _grid(dx.numel(), H)
-        _traceable(_bda_bwd_kernel)[grid](grad_out, seed, dx, H, p, 1.0 / (1.0 - p), P=p > 0, BLOCK=block)
+        traceable(_bda_bwd_kernel)[grid](grad_out, seed, dx, H, p, 1.0 / (1.0 - p), P=p > 0, BLOCK=block)
     return dx

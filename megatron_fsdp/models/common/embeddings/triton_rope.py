@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op
 
-from ....transformer.triton_activations import _traceable
+from ...._triton_launch import traceable
 
 _ELEMENTS_PER_PROGRAM = 4096
 
@@ -89,7 +89,7 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool, 
     if n_rows:
         block_d = triton.next_power_of_2(D)
         rows = max(1, _ELEMENTS_PER_PROGRAM // block_d)
-        _traceable(_rope_kernel)[(triton.cdiv(n_rows, rows),)](
+        traceable(_rope_kernel)[(triton.cdiv(n_rows, rows),)](
             t, cos.contiguous(), sin.contiguous(), out, n_rows, B, H, t.stride(0), t.stride(1), t.stride(2), D,
             cos.size(-1), FUSED=fused, BACKWARD=backward, ROWS=rows, BLOCK_D=block_d)
     return out
