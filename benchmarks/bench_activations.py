@@ -52,17 +52,18 @@ ROPE_SHAPES = {"1b": (2048, 4, 16, 128), "8b": (2048, 2, 32, 128), "tiny": (64, 
 
 
 @contextlib.contextmanager
-def _eager_path(on: bool):
-    """With `on`, bias_activation takes the eager fp32 path even for CUDA tensors, forward and backward."""
+def _eager_path(on: bool, module=fused_activations):
+    """With `on`, `module`'s fused function (bias_activation, apply_rotary_pos_emb, bias_dropout_add)
+    takes its eager path even for CUDA tensors, forward and backward."""
     if not on:
         yield
         return
-    saved = fused_activations._kernels_for
-    fused_activations._kernels_for = lambda t: None
+    saved = module._kernels_for
+    module._kernels_for = lambda t: None
     try:
         yield
     finally:
-        fused_activations._kernels_for = saved
+        module._kernels_for = saved
 
 
 def _mlp(kind: str, fusion: bool, hidden: int, ffn: int, device, dtype) -> MLP:
@@ -125,21 +126,14 @@ def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, d
 def bench_rope(shape, fused: bool, repeats: int, device, dtype) -> dict:
     q = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(*shape, device=device, dtype=dtype)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, shape[-1], 2, dtype=torch.float32, device=device) / shape[-1]))
-    freqs = torch.outer(torch.arange(shape[0], dtype=torch.float32, device=device), inv_freq)
-    freqs = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    freqs = rotary_pos_embedding.RotaryEmbedding(shape[-1], rotary_percent=1.0)(shape[0]).to(device)
     config = SimpleNamespace(apply_rope_fusion=fused)
 
     def step(kernel: bool):
         def run():
-            saved = rotary_pos_embedding._kernels_for
-            if not kernel:
-                rotary_pos_embedding._kernels_for = lambda t: None
-            try:
+            with _eager_path(not kernel, rotary_pos_embedding):
                 q.grad = None  # a fresh gradient each step, not an accumulation
                 rotary_pos_embedding.apply_rotary_pos_emb(q, freqs, config).backward(grad)
-            finally:
-                rotary_pos_embedding._kernels_for = saved
         return run
 
     arms = {"eager": step(False)}
@@ -160,14 +154,9 @@ def bench_bias_dropout_add(shape, repeats: int, device, dtype) -> dict:
 
     def step(fused: bool, kernel: bool):
         def run():
-            saved = transformer_layer._kernels_for
-            if not kernel:
-                transformer_layer._kernels_for = lambda t: None
-            try:
+            with _eager_path(not kernel, transformer_layer):
                 x.grad = residual.grad = None
                 transformer_layer.bias_dropout_add(x, None, residual, 0.1, True, fused).backward(grad)
-            finally:
-                transformer_layer._kernels_for = saved
         return run
 
     arms = {"unfused": step(False, False), "fused_eager": step(True, False)}
