@@ -62,12 +62,18 @@ def run_job(argv: list[str], main) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def pretrain_example(model_provider=None) -> None:
-    """What `pretrain_gpt.py`'s `__main__` does, with another model provider if given."""
+def pretrain_gpt_module():
+    """examples/pretrain_gpt.py, imported as the module `pretrain_gpt`."""
     if os.path.join(ROOT, "examples") not in sys.path:
         sys.path.insert(0, os.path.join(ROOT, "examples"))
     import pretrain_gpt
 
+    return pretrain_gpt
+
+
+def pretrain_example(model_provider=None) -> None:
+    """What `pretrain_gpt.py`'s `__main__` does, with another model provider if given."""
+    pretrain_gpt = pretrain_gpt_module()
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
     pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
                           model_provider or pretrain_gpt.model_provider, pretrain_gpt.ModelType.encoder_or_decoder,

@@ -3,25 +3,16 @@ model's causal attention applies it without the tensor), a --reset-attention-mas
 model, and both give the model what the mask says."""
 
 import argparse
-import importlib.util
-import os
 
 import torch
 
 from helpers import make_config, setup_parallel
+from pretrain_in_pool import pretrain_gpt_module
 from megatron_fsdp.datasets.masks import _get_ltor_masks_and_position_ids
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.training.global_vars import set_args
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOD = 0
-
-
-def _pretrain_gpt():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(ROOT, "examples", "pretrain_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _batch(tokens: torch.Tensor, reset: bool) -> dict:
@@ -36,7 +27,7 @@ def _batch(tokens: torch.Tensor, reset: bool) -> dict:
 
 def _case_get_batch_passes_only_masks_beyond_causal():
     setup_parallel(tp=1)
-    pretrain_gpt = _pretrain_gpt()
+    pretrain_gpt = pretrain_gpt_module()
     model = GPTModel(make_config(), vocab_size=64, max_sequence_length=8, position_embedding_type="rope").eval()
     tokens = torch.tensor([[5, 9, EOD, 7, 3, 8, 2, 6], [4, 4, 1, 9, 9, EOD, 3, 2]])
     try:
