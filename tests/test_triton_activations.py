@@ -8,7 +8,7 @@ On the GPU or under Triton's interpreter (triton_testing.py).
 import pytest
 import torch
 
-from triton_testing import DEVICE, ON_GPU, ONE_ULP  # first: it may start the interpreter
+from triton_testing import DEVICE, ON_GPU, ONE_ULP, assert_compiled_equals_eager  # first
 from megatron_fsdp.transformer import fused_activations
 from megatron_fsdp.transformer import triton_activations as ta
 
@@ -104,11 +104,4 @@ def test_the_kernels_compose_with_torch_compile(kind):
     y, b = _case(kind, torch.bfloat16, bias=kind == "gelu")
     grad_out = torch.randn(*y.shape[:-1], y.shape[-1] // (2 if kind == "swiglu" else 1), device=DEVICE,
                            dtype=torch.bfloat16)
-    results = []
-    for fn in (fused_activations.bias_activation, torch.compile(fused_activations.bias_activation, fullgraph=True)):
-        yy = y.clone().requires_grad_()
-        out = fn(yy, b, kind)
-        out.backward(grad_out)
-        results.append((out, yy.grad))
-    for eager, compiled in zip(*results):
-        assert torch.equal(compiled, eager)
+    assert_compiled_equals_eager(fused_activations.bias_activation, [y], b, kind, grad_out=grad_out)

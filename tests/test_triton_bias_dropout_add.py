@@ -9,7 +9,7 @@ On the GPU or under Triton's interpreter (triton_testing.py).
 import pytest
 import torch
 
-from triton_testing import DEVICE, ON_GPU, ONE_ULP as TOLERANCE  # first: it may start the interpreter
+from triton_testing import DEVICE, ON_GPU, ONE_ULP as TOLERANCE, assert_compiled_equals_eager  # first
 from megatron_fsdp.transformer import transformer_layer as layer
 from megatron_fsdp.transformer import triton_bias_dropout_add as tbda
 
@@ -108,11 +108,4 @@ def test_empty_input():
 @pytest.mark.skipif(not ON_GPU, reason="torch.compile of a Triton op needs the GPU")
 def test_the_kernels_compose_with_torch_compile():
     x, b, residual = _inputs(torch.bfloat16, True)
-    results = []
-    for fn in (layer.bias_dropout_add, torch.compile(layer.bias_dropout_add, fullgraph=True)):
-        xs = [t.detach().clone().requires_grad_() for t in (x, b, residual)]
-        out = fn(xs[0], xs[1], xs[2], 0.0, True, True)
-        out.backward(torch.ones_like(out))
-        results.append((out, *(t.grad for t in xs)))
-    for eager, compiled in zip(*results):
-        assert torch.equal(compiled, eager)
+    assert_compiled_equals_eager(layer.bias_dropout_add, [x, b, residual], 0.0, True, True)

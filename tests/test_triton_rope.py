@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from triton_testing import DEVICE, ON_GPU, ONE_ULP as TOLERANCE  # first: it may start the interpreter
+from triton_testing import DEVICE, ON_GPU, ONE_ULP as TOLERANCE, assert_compiled_equals_eager  # first
 from megatron_fsdp.models.common.embeddings import rotary_pos_embedding as rope
 from megatron_fsdp.models.common.embeddings import triton_rope
 
@@ -95,12 +95,4 @@ def test_empty_input():
 def test_the_kernels_compose_with_torch_compile(fused):
     t = torch.randn(64, 2, 4, 32, device=DEVICE, dtype=torch.bfloat16)
     freqs, config = _angles(64, 32), SimpleNamespace(apply_rope_fusion=fused)
-    grad_out = torch.randn_like(t)
-    results = []
-    for fn in (rope.apply_rotary_pos_emb, torch.compile(rope.apply_rotary_pos_emb, fullgraph=True)):
-        tt = t.clone().requires_grad_()
-        out = fn(tt, freqs, config)
-        out.backward(grad_out)
-        results.append((out, tt.grad))
-    for eager, compiled in zip(*results):
-        assert torch.equal(compiled, eager)
+    assert_compiled_equals_eager(rope.apply_rotary_pos_emb, [t], freqs, config, grad_out=torch.randn_like(t))

@@ -23,3 +23,16 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 # an ulp of the dtype at most.
 ONE_ULP = {torch.float32: dict(rtol=3e-7, atol=1e-6), torch.bfloat16: dict(rtol=8e-3, atol=1e-5),
            torch.float16: dict(rtol=1e-3, atol=1e-5)}
+
+
+def assert_compiled_equals_eager(fn, inputs, *args, grad_out=None) -> None:
+    """fn(*inputs, *args) compiled whole (fullgraph) gives eager's output and eager's gradients of
+    `inputs` bit for bit, for `grad_out` (ones when None) as the output's gradient."""
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        out = f(*xs, *args)
+        out.backward(torch.ones_like(out) if grad_out is None else grad_out)
+        results.append((out, *(x.grad for x in xs)))
+    for eager, compiled in zip(*results):
+        assert torch.equal(compiled, eager)
