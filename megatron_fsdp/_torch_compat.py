@@ -65,6 +65,7 @@ PRIVATE_NAMES = {
     "torch.utils._pytree:tree_leaves": ALL,
     "torch:_scaled_mm": ALL,
     "torch:_foreach_norm": ALL,
+    "torch:_foreach_mul_": ALL,
     "torch:_amp_foreach_non_finite_check_and_unscale_": ALL,
     "torch._C:_cuda_getArchFlags": ALL,
 }
@@ -375,6 +376,12 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
 
 def foreach_norm(tensors, ord):
     return torch._foreach_norm(tensors, ord)
+
+
+def foreach_mul_(tensors, scalar) -> None:
+    """`torch._foreach_mul_` (what torch's clip_grad_norm_ scales with): one
+    multi-tensor kernel per device and dtype."""
+    torch._foreach_mul_(tensors, scalar)
 
 
 def amp_non_finite_check_and_unscale_(grads, found_inf, inv_scale) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import _torch_compat
+
 _Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
@@ -31,10 +33,12 @@ def _shard_groups(t: DTensor) -> tuple:
     return tuple(mesh.get_group(i) for i, p in enumerate(t.placements) if not p.is_replicate())
 
 
-def _reduce_over_shards(grads: list[torch.Tensor], local_stat: Callable[[torch.Tensor], torch.Tensor],
+def _reduce_over_shards(grads: list[torch.Tensor], local_stat: Callable[[list[torch.Tensor]], torch.Tensor],
                         op) -> torch.Tensor:
     """`op` (SUM or MAX) of `local_stat` over every gradient element, the
-    same on every rank: one reduction per distinct set of sharded mesh dims."""
+    same on every rank: one reduction per distinct set of sharded mesh dims.
+    `local_stat` takes one bucket's local tensors at once, so that a bucket
+    of a hundred gradients costs one multi-tensor kernel, not a hundred."""
     buckets: dict[tuple, list] = {}
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
@@ -44,16 +48,22 @@ def _reduce_over_shards(grads: list[torch.Tensor], local_stat: Callable[[torch.T
         device = torch.device(g.device_mesh.device_type) if isinstance(g, DTensor) else local.device
         # Keyed by group name: ProcessGroup wrappers are not unique objects.
         bucket = buckets.setdefault(tuple(pg.group_name for pg in groups), [groups, device, []])
-        bucket[2].append(local_stat(local.detach()))
+        bucket[2].append(local.detach())
     is_max = op == dist.ReduceOp.MAX
     total = None
-    for groups, device, values in buckets.values():
-        value = torch.stack(values).max() if is_max else torch.stack(values).sum()
-        value = value.to(device)
+    for groups, device, locals_ in buckets.values():
+        value = local_stat(locals_).to(device)
         for group in groups:  # one reduction per sharded mesh dimension
             dist.all_reduce(value, op=op, group=group)
         total = value if total is None else (torch.maximum(total, value) if is_max else total + value)
     return total
+
+
+def _norms_fp32(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each tensor's `norm_type` norm in fp32, stacked: one multi-tensor kernel
+    (torch's `_foreach_norm`, what `clip_grad_norm_` uses) per device and dtype."""
+    return torch.stack(_torch_compat.foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors],
+                                                  norm_type))
 
 
 def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 2) -> float:
@@ -65,10 +75,8 @@ def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 
     if not grads:
         return 0.0
     if norm_type == math.inf:
-        return float(_reduce_over_shards(
-            grads, lambda t: t.abs().max().float() if t.numel() else t.new_zeros((), dtype=torch.float32),
-            dist.ReduceOp.MAX))
-    total = _reduce_over_shards(grads, lambda t: torch.linalg.vector_norm(t.float(), norm_type) ** norm_type,
+        return float(_reduce_over_shards(grads, lambda ts: _norms_fp32(ts, math.inf).max(), dist.ReduceOp.MAX))
+    total = _reduce_over_shards(grads, lambda ts: (_norms_fp32(ts, norm_type) ** norm_type).sum(),
                                 dist.ReduceOp.SUM)
     return float(total ** (1.0 / norm_type))
 
@@ -80,17 +88,19 @@ def count_zeros_fp32(parameters: _Tensors) -> int:
     if not grads:
         return 0
     # int64: a float32 count is inexact above 2**24 elements.
-    return int(_reduce_over_shards(grads, lambda t: (t == 0).sum(dtype=torch.int64), dist.ReduceOp.SUM))
+    return int(_reduce_over_shards(
+        grads, lambda ts: torch.stack([(t == 0).sum(dtype=torch.int64) for t in ts]).sum(), dist.ReduceOp.SUM))
 
 
 def clip_grad_by_total_norm_fp32(parameters: _Tensors, max_norm: float, total_norm: float) -> None:
     """Scale every gradient by max_norm / total_norm when that is below 1."""
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
-        grads = [p.grad for p in _as_list(parameters) if p.grad is not None]
+        # The local shards in one multi-tensor op: a DTensor op per gradient costs its
+        # dispatch on the host, right after the norm's read made the device wait.
+        grads = [_torch_compat.local_tensor(p.grad) for p in _as_list(parameters) if p.grad is not None]
         with torch.no_grad():
-            for g in grads:
-                g.mul_(clip_coeff)
+            _torch_compat.foreach_mul_(grads, clip_coeff)
 
 
 def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: Union[int, float] = 2) -> float:
