@@ -24,7 +24,10 @@ RoPE too: the rotation of a layer's queries (seq 2048 x micro-batch 4 x 16 heads
 (apply_rope_fusion) numerics: the eager ops ("torch_ms") against the Triton kernel ("ours_ms";
 CUDA only, else the eager path again). And bias-dropout-add (dropout 0.1, no bias, a layer's
 [seq, micro-batch, hidden] output): unfused ops in bf16 ("torch_ms"), the eager fp32 fusion and
-the Triton kernel ("ours_ms"), forward + backward.
+the Triton kernel ("ours_ms"), forward + backward. And the language model's cross entropy on bf16
+logits [seq, micro-batch, vocabulary] (2048 x 4 x 32768 at 1b, 2048 x 2 x 128256 at 8b: Llama 3's
+vocabulary), forward + backward: Megatron's default, the unfused loss on an fp32 copy of the
+logits ("torch_ms"), against cross_entropy_loss_fusion's Triton kernels ("ours_ms"; CUDA only).
 """
 
 from __future__ import annotations
@@ -42,19 +45,22 @@ import torch.nn.functional as F
 
 from _common import best_of_rounds
 from megatron_fsdp import parallel_state
+from megatron_fsdp.fusions import fused_cross_entropy
 from megatron_fsdp.models.common.embeddings import rotary_pos_embedding
 from megatron_fsdp.transformer import TransformerConfig, fused_activations, transformer_layer
+from megatron_fsdp.tensor_parallel import vocab_parallel_cross_entropy
 from megatron_fsdp.transformer.mlp import MLP
 
 PRESETS = {"1b": (2048, 8192, 8192), "8b": (4096, 14336, 4096), "tiny": (64, 256, 256)}  # hidden, ffn, tokens
 BDA_SHAPES = {"1b": (2048, 4, 2048), "8b": (2048, 2, 4096), "tiny": (64, 2, 64)}  # s, b, hidden
+CE_SHAPES = {"1b": (2048, 4, 32768), "8b": (2048, 2, 128256), "tiny": (64, 2, 512)}  # s, b, vocabulary
 ROPE_SHAPES = {"1b": (2048, 4, 16, 128), "8b": (2048, 2, 32, 128), "tiny": (64, 2, 4, 16)}  # s, b, heads, head_dim
 
 
 @contextlib.contextmanager
 def _eager_path(on: bool, module=fused_activations):
-    """With `on`, `module`'s fused function (bias_activation, apply_rotary_pos_emb, bias_dropout_add)
-    takes its eager path even for CUDA tensors, forward and backward."""
+    """With `on`, `module`'s fused function (bias_activation, apply_rotary_pos_emb, bias_dropout_add,
+    fused_vocab_parallel_cross_entropy) takes its eager path even for CUDA tensors, forward and backward."""
     if not on:
         yield
         return
@@ -170,6 +176,33 @@ def bench_bias_dropout_add(shape, repeats: int, device, dtype) -> dict:
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
 
+def bench_cross_entropy(shape, repeats: int, device, dtype) -> dict:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(*shape, generator=g) * 2).to(device=device, dtype=dtype).requires_grad_()
+    target = torch.randint(0, shape[-1], shape[:-1], generator=g).to(device)
+    grad = torch.rand(shape[:-1], generator=g).to(device)
+
+    def step(fused: bool):
+        def run():
+            logits.grad = None
+            if fused:
+                loss = fused_cross_entropy.fused_vocab_parallel_cross_entropy(logits, target)
+            else:  # Megatron's default (GPTModel.compute_language_model_loss without the fusion)
+                loss = vocab_parallel_cross_entropy(logits.float(), target)
+            loss.backward(grad)
+        return run
+
+    arms = {"unfused": step(False)}
+    if fused_cross_entropy._kernels_for(logits) is not None:
+        arms["fused"] = step(True)
+    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
+    ours = "fused" if "fused" in ms else "unfused"
+    return {"case": f"cross_entropy/{'x'.join(map(str, shape))}/{str(dtype).split('.')[-1]}",
+            "ours_ms": ms[ours], "torch_ms": ms["unfused"], "torch_over_ours": round(ms["unfused"] / ms[ours], 3),
+            "arm": ours, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -191,6 +224,7 @@ def main():
                 for fused in (False, True):
                     print(json.dumps(bench_rope(ROPE_SHAPES[preset], fused, args.repeats, device, dtype)), flush=True)
                 print(json.dumps(bench_bias_dropout_add(BDA_SHAPES[preset], args.repeats, device, dtype)), flush=True)
+                print(json.dumps(bench_cross_entropy(CE_SHAPES[preset], args.repeats, device, dtype)), flush=True)
         finally:
             parallel_state.destroy_model_parallel()
             dist.destroy_process_group()

@@ -7,7 +7,9 @@ recipe), each eager and with `torch.compile` per block.
 
 Arms (bf16 compute, fp32 master weights and gradient reduction, AdamW, gradients clipped at norm 1):
   api             GPTModel in TorchFullyShardedDataParallel, get_megatron_optimizer: one step is
-                  zero grads, forward, backward, finish_grad_sync, optimizer.step
+                  zero grads, forward, backward, finish_grad_sync, optimizer.step;
+                  bias_activation_fusion and cross_entropy_loss_fusion on (Megatron-LM's default
+                  for the first, off by default the second), RoPE in the activations' dtype
   api+compile     the same with torch_compile=True (--torch-compile): each TransformerLayer compiled
   plain           a Llama written here in plain PyTorch (RMSNorm, RoPE, GQA through SDPA, SwiGLU),
                   fully_shard per block and at the root with MixedPrecisionPolicy(bf16, fp32
@@ -21,8 +23,9 @@ Arms (bf16 compute, fp32 master weights and gradient reduction, AdamW, gradients
                   Megatron's defaults make another model than the api arm's: dropout 0.1 (hidden
                   and attention), apply_rope_fusion and bias_dropout_fusion (fp32 arithmetic)
   pretrain:api_model  (--pretrain) the same with the api arm's model (--attention-dropout 0
-                  --hidden-dropout 0 --no-rope-fusion --no-bias-dropout-fusion): what the training
-                  loop adds to the api step ("api_over_ours" in both pretrain rows)
+                  --hidden-dropout 0 --no-rope-fusion --no-bias-dropout-fusion
+                  --cross-entropy-loss-fusion): what the training loop adds to the api step
+                  ("api_over_ours" in both pretrain rows)
 
 Arms run one after another (two 1B models with Adam state do not share an 80 GB GPU
 comfortably); each is built, warmed up (`--warmup` steps: compilation, optimizer state),
@@ -149,7 +152,7 @@ def _api_arm(s, device, compile_layers: bool):
         num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
         num_query_groups=s["groups"], ffn_hidden_size=s["ffn"], gated_linear_unit=True, activation_func=F.silu,
         bias_activation_fusion=True, normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, bf16=True)
+        attention_dropout=0.0, bf16=True, cross_entropy_loss_fusion=True)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     model = GPTModel(config, vocab_size=s["vocab"], max_sequence_length=s["seq"], position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
@@ -241,7 +244,7 @@ def _pretrain_flags(s) -> list[str]:
 # The pretrain arms: extra flags after Megatron's defaults for the shape.
 PRETRAIN_ARMS = {"pretrain": [],
                  "pretrain:api_model": ["--attention-dropout", "0", "--hidden-dropout", "0", "--no-rope-fusion",
-                                        "--no-bias-dropout-fusion"]}
+                                        "--no-bias-dropout-fusion", "--cross-entropy-loss-fusion"]}
 
 
 def _pretrain_ms(s, world: int, steps: int, extra: list[str]) -> float:

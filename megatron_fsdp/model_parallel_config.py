@@ -47,6 +47,14 @@ class ModelParallelConfig:
     tp_comm_overlap: bool = False
     use_te_rng_tracker: bool = False
 
+    # The language model's loss by megatron_fsdp.fusions.fused_vocab_parallel_cross_entropy:
+    # on CUDA one Triton kernel each way, reading the logits in their dtype (no fp32 copy);
+    # the same loss, and the logits' gradient in their dtype.
+    cross_entropy_loss_fusion: bool = False
+    # Megatron's implementation choice: "native" (its own fused function; ours here) or "te"
+    # (Transformer Engine's, which Megatron-LM rejects for stability and we do not have).
+    cross_entropy_fusion_impl: str = "native"
+
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size"):
@@ -67,3 +75,8 @@ class ModelParallelConfig:
             # torch.use_deterministic_algorithms(True) yourself.
             "deterministic_mode": False,
         })
+        if self.cross_entropy_fusion_impl not in ("native", "te"):
+            raise ValueError(f"cross_entropy_fusion_impl={self.cross_entropy_fusion_impl!r}, allowed: 'native', 'te'")
+        if self.cross_entropy_loss_fusion:
+            reject_unsupported(type(self).__name__, {"cross_entropy_fusion_impl": (
+                self.cross_entropy_fusion_impl, "native", "Transformer Engine's fused cross entropy is not available")})

@@ -133,7 +133,8 @@ ln -s "$so" "$TREE/megatron_fsdp/$(basename "$so")"
 [ ! -f "$so.build.json" ] || ln -s "$so.build.json" "$TREE/megatron_fsdp/$(basename "$so").build.json"
 tests=(tests/test_device_copy_kernels.py tests/test_copy_plan_cache.py tests/test_kernels.py tests/test_amax_kernel.py
        tests/test_fp8_cast_transpose.py tests/test_fsdp_copy_kernels.py
-       tests/test_triton_activations.py tests/test_triton_rope.py tests/test_triton_bias_dropout_add.py  # Triton's interpreter
+       tests/test_triton_activations.py tests/test_triton_rope.py tests/test_triton_bias_dropout_add.py
+       tests/test_triton_cross_entropy.py  # Triton's interpreter
        tests/test_mcore_interchange.py::test_megatron_core_loads_our_export_with_the_same_logits)  # megatron-core
 say "host-side tests of the CUDA build under torch $torch_version: ${tests[*]}"
 t0=$SECONDS

@@ -50,6 +50,9 @@ BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4)
     (dict(fp16=True, bf16=True), ValueError, r"fp16 and bf16 cannot both be True"),
     (dict(params_dtype=torch.int32), ValueError, r"params_dtype must be a floating-point"),
     (dict(tensor_model_parallel_size=0), ValueError, r"tensor_model_parallel_size must be a positive integer"),
+    (dict(cross_entropy_fusion_impl="apex"), ValueError, r"cross_entropy_fusion_impl='apex', allowed: 'native', 'te'"),
+    (dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te"), NotImplementedError,
+     r"cross_entropy_fusion_impl='te' is not supported by megatron_fsdp \(only 'native'\): Transformer Engine's"),
 ])
 def test_transformer_config_rejects(overrides, error, match):
     with pytest.raises(error, match=match):

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import full_params, make_config, setup_parallel
+from helpers import full_grads, full_params, make_config, setup_parallel
+from megatron_fsdp import parallel_state
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.models.gpt.megatron_layout import from_megatron_layout, to_megatron_layout
@@ -322,3 +323,33 @@ def _case_transformer_block_arguments():
 
 def test_transformer_block_honours_or_rejects_its_arguments(pools):
     pools(2).run(_case_transformer_block_arguments)
+
+
+# ------------------------------------------------------------------ fused cross entropy
+
+def _case_cross_entropy_fusion_on_the_cpu(tp):
+    """cross_entropy_loss_fusion on the CPU is the unfused loss on fp32 logits, whose gradient
+    is rounded once to the logits' dtype: Megatron's fused function's contract. Same weights,
+    same batch: the same loss and gradients, bit for bit (the CUDA kernels:
+    tests/test_triton_cross_entropy.py)."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (2, 16), generator=g)
+    results = []
+    for fusion in (False, True):
+        setup_parallel(tp)  # the same seed: the same weights
+        model = GPTModel(make_config(bf16=True, params_dtype=torch.bfloat16, cross_entropy_loss_fusion=fusion),
+                         vocab_size=64, max_sequence_length=16)
+        loss = model(ids, torch.arange(16)[None], None, labels=ids)
+        assert loss.shape == (2, 16) and loss.dtype == torch.float32
+        loss.sum().backward()
+        results.append((loss.detach(), full_grads(model)))
+        parallel_state.destroy_model_parallel()
+    (want_loss, want_grads), (loss, grads) = results
+    assert torch.equal(loss, want_loss)
+    for name, grad in want_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cross_entropy_fusion_on_the_cpu_is_the_unfused_loss(pools, tp):
+    pools(2).run(_case_cross_entropy_fusion_on_the_cpu, tp)

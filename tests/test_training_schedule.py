@@ -308,8 +308,12 @@ def test_fp8_fields_reach_the_config_only_with_fp8():
 
 @pytest.mark.parametrize("flags, expected", [
     # Megatron-LM's defaults: every fusion on, RoPE fusion only with RoPE.
+    # Megatron-LM's one fusion off by default: the cross entropy's.
     ((), dict(bias_activation_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
-              apply_rope_fusion=False, persist_layer_norm=True)),
+              apply_rope_fusion=False, persist_layer_norm=True, cross_entropy_loss_fusion=False,
+              cross_entropy_fusion_impl="native")),
+    (("--cross-entropy-loss-fusion",), dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")),
+    (("--cross-entropy-fusion-impl", "te"), dict(cross_entropy_loss_fusion=False, cross_entropy_fusion_impl="te")),
     (("--position-embedding-type", "rope"), dict(apply_rope_fusion=True)),
     (("--position-embedding-type", "rope", "--no-rope-fusion"), dict(apply_rope_fusion=False)),
     (("--no-bias-gelu-fusion",), dict(bias_activation_fusion=False)),

@@ -18,6 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from megatron_fsdp.fusions import triton_cross_entropy  # noqa: E402
 from megatron_fsdp.models.common.embeddings import triton_rope  # noqa: E402
 from megatron_fsdp.transformer import triton_activations, triton_bias_dropout_add  # noqa: E402
 
@@ -53,10 +54,21 @@ def _bias_act(dtype, backward, kind, has_bias):
     return triton_activations._bias_act_fwd_kernel, signature, constants
 
 
+def _cross_entropy(dtype, backward):
+    rows = dict(logits_ptr=f"*{dtype}", target_ptr="*i64", max_ptr="*fp32", sum_exp_ptr="*fp32")
+    scalars = dict(V="i32", row_stride="i32", vocab_start="i32")
+    if backward:
+        signature = dict(**rows, grad_ptr="*fp32", dlogits_ptr=f"*{dtype}", **scalars)
+        return triton_cross_entropy._ce_bwd_kernel, signature, dict(BLOCK=triton_cross_entropy._BLOCK)
+    signature = dict(**rows, predicted_ptr="*fp32", **scalars)
+    return triton_cross_entropy._ce_stats_kernel, signature, dict(BLOCK=triton_cross_entropy._BLOCK)
+
+
 CASES = ([_rope(*c) for c in itertools.product(("bf16", "fp16", "fp32"), (False, True), (False, True))]
          + [_bda_fwd(*c) for c in itertools.product(("bf16", "fp32"), (False, True), (False, True))]
          + [_bda_bwd(*c) for c in itertools.product(("bf16", "fp32"), (False, True))]
-         + [_bias_act(*c) for c in itertools.product(("bf16",), (False, True), (0, 1, 2), (False, True))])
+         + [_bias_act(*c) for c in itertools.product(("bf16",), (False, True), (0, 1, 2), (False, True))]
+         + [_cross_entropy(*c) for c in itertools.product(("bf16", "fp16", "fp32"), (False, True))])
 
 
 @pytest.mark.parametrize("kernel, signature, constants", CASES,

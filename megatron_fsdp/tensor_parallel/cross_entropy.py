@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -62,9 +64,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0,
+                                 tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Per-token cross entropy; `vocab_parallel_logits` [..., vocab/tp] holds this
-    TP rank's slice of the vocabulary, `target` [...] the global token ids."""
+    TP rank's slice of the vocabulary, `target` [...] the global token ids.
+    `tp_group`: parallel_state's tensor-parallel group when None."""
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if vocab_parallel_logits.shape[:-1] != target.shape:
@@ -72,5 +76,5 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
             f"logits shape {tuple(vocab_parallel_logits.shape)} does not match target shape "
             f"{tuple(target.shape)} (expected logits [..., vocab/tp] for target [...])"
         )
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = parallel_state.get_tensor_model_parallel_group() if tp_group is None else tp_group
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, group)

@@ -93,7 +93,7 @@ def _training(p) -> None:
 def _fusion(p) -> None:
     # Megatron-LM's fusions are on by default; each one selects Megatron's numerics for that path
     # (tanh GELU for bias+GELU, fp32 RoPE rotation...), see TransformerConfig.
-    g = p.add_argument_group("fusion", "Megatron-LM's fusions are on by default; each --no-* turns one off")
+    g = p.add_argument_group("fusion", "Megatron-LM's fusions: each --no-* turns off one that is on by default")
     a = g.add_argument
     a("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false", help="plain masked softmax")
     a("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false", help="exact GELU, bias added apart")
@@ -101,6 +101,10 @@ def _fusion(p) -> None:
     a("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false", help="unfused bias+dropout+add")
     a("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", help="RoPE rotation in the input dtype")
     a("--no-persist-layer-norm", action="store_true", help="Megatron's Apex LayerNorm kernel choice (same results)")
+    a("--cross-entropy-loss-fusion", action="store_true",
+      help="fused cross entropy (off by default, as in Megatron-LM): on CUDA one kernel each way, no fp32 logits")
+    a("--cross-entropy-fusion-impl", choices=["native", "te"], default="native",
+      help="the fused cross entropy's implementation: native (te, Transformer Engine's, is not available)")
 
 
 def _learning_rate(p) -> None:

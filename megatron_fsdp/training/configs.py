@@ -53,6 +53,8 @@ def core_transformer_config_from_args(args, config_class=None):
         masked_softmax_fusion=args.masked_softmax_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
         apply_rope_fusion=args.apply_rope_fusion and args.position_embedding_type == "rope",
         persist_layer_norm=not args.no_persist_layer_norm,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
     )
     if args.fp8 is not None:
         fields.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ... import parallel_state
+from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
@@ -183,7 +184,10 @@ class GPTModel(MegatronModule):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """labels [b, s], vocab-parallel logits [s, b, v/tp] -> loss [b, s]."""
         labels = labels.transpose(0, 1).contiguous()
-        if not self.fp16_lm_cross_entropy:
-            logits = logits.float()
-        loss = vocab_parallel_cross_entropy(logits, labels)
+        if self.config.cross_entropy_loss_fusion:  # fp32 arithmetic on the logits as they are
+            loss = fused_vocab_parallel_cross_entropy(logits, labels)
+        else:
+            if not self.fp16_lm_cross_entropy:
+                logits = logits.float()
+            loss = vocab_parallel_cross_entropy(logits, labels)
         return loss.transpose(0, 1).contiguous()
