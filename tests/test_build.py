@@ -172,6 +172,29 @@ def test_verdict_is_cached_per_so_path_size_and_mtime(tmp_path, monkeypatch):
     assert probe.calls == 4
 
 
+def test_an_extension_built_against_another_torch_is_refused_unloaded(tmp_path, monkeypatch):
+    """setup.py records the torch it built against; under another torch the verdict says so, names
+    both versions and the rebuild, and no child process loads the .so (seen loading: a double
+    free). The recorded version of this torch passes on to the probe."""
+    import torch
+
+    so = tmp_path / "_C.fake.so"
+    so.write_bytes(b"\0" * 64)
+    info = tmp_path / ("_C.fake.so" + build_config.BUILD_INFO_SUFFIX)
+    probe = _CountingProbe(build_check.ProbeResult("ok", 0, ""))
+    monkeypatch.setattr(build_check, "run_probe", probe)
+    monkeypatch.setenv(build_check.CHECK_ENV, "0")  # the version check comes even before this switch
+    info.write_text(json.dumps({"torch": "2.13.0+cu999"}))
+    verdict = build_check.check_extension(str(so))
+    assert (verdict.ok, verdict.status, probe.calls) == (False, "other_torch", 0)
+    assert (f"built against torch 2.13.0+cu999, and this process runs torch {torch.__version__}" in verdict.message
+            and "pip install --no-build-isolation -e ." in verdict.message)
+    monkeypatch.delenv(build_check.CHECK_ENV)
+    monkeypatch.delenv(build_check.TEST_SIGNAL_ENV, raising=False)
+    info.write_text(json.dumps({"torch": str(torch.__version__)}))
+    assert build_check.check_extension(str(so), use_cache=False).status == "ok" and probe.calls == 1
+
+
 def test_cache_location_fallbacks(tmp_path, monkeypatch):
     so = tmp_path / "_C.fake.so"
     so.write_bytes(b"x")

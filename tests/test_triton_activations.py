@@ -69,12 +69,14 @@ def test_autograd_takes_the_kernels_and_gives_the_eager_gradients(kind, monkeypa
 
 def test_only_cuda_tensors_take_the_kernels():
     """Every eager path's dispatch to its Triton module (utils.triton_kernels_for): the activations',
-    RoPE's and bias-dropout-add's."""
+    RoPE's, bias-dropout-add's and the fused cross entropy's."""
+    from megatron_fsdp.fusions import fused_cross_entropy, triton_cross_entropy
     from megatron_fsdp.models.common.embeddings import rotary_pos_embedding, triton_rope
     from megatron_fsdp.transformer import transformer_layer, triton_bias_dropout_add
 
     for dispatch, kernels in ((fused_activations._kernels_for, ta), (rotary_pos_embedding._kernels_for, triton_rope),
-                              (transformer_layer._kernels_for, triton_bias_dropout_add)):
+                              (transformer_layer._kernels_for, triton_bias_dropout_add),
+                              (fused_cross_entropy._kernels_for, triton_cross_entropy)):
         assert dispatch(torch.ones(2)) is None
         if ON_GPU:
             assert dispatch(torch.ones(2, device="cuda")) is kernels

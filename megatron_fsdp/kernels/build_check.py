@@ -119,7 +119,7 @@ class Verdict:
     not tell: `status` says which). Only a crash makes ok False."""
 
     ok: bool
-    status: str  # "ok" | "crashed" | "killed" | "failed" | "timeout" | "skipped"
+    status: str  # "ok" | "crashed" | "other_torch" | "killed" | "failed" | "timeout" | "skipped"
     message: str = ""
 
 
@@ -308,9 +308,27 @@ def _verdict(so_path: str, result: ProbeResult) -> Verdict:
     return Verdict(True, result.status, f"the check of {so_path} in a child process {what}:\n{tail}")
 
 
+def _other_torch_message(so_path: str) -> str:
+    """Why the extension cannot be used with the torch imported here, or "": it was built against
+    another torch (setup.py records the version). Torch's C++ ABI is not kept between releases,
+    nor between a CPU and a CUDA build of one release: such an extension may load and then free
+    memory twice (seen: built for 2.13.0+cpu, loaded under 2.14.1+cu130)."""
+    import torch
+
+    built = read_build_info(so_path).get("torch")
+    if not built or built == str(torch.__version__):
+        return ""
+    return (f"{so_path} was built against torch {built}, and this process runs torch {torch.__version__}: a C++ "
+            f"extension works only with the torch it was compiled against. Rebuild it under this torch: "
+            f"`pip install --no-build-isolation -e .` (or `bash scripts/env.sh`)")
+
+
 def check_extension(so_path: str, use_cache: bool = True, refresh: bool = False) -> Verdict:
     """The verdict for the built extension at `so_path` (cached per file: path, size, mtime).
     refresh: check again even when a verdict is cached (and cache the new one)."""
+    other_torch = _other_torch_message(so_path)
+    if other_torch:  # before the probe: loading it can corrupt memory rather than raise
+        return Verdict(False, "other_torch", other_torch)
     if os.environ.get(CHECK_ENV, "1") == "0":
         return Verdict(True, "skipped", f"{CHECK_ENV}=0")
     if not sys.executable:
@@ -361,7 +379,7 @@ def main(argv=None) -> int:
     so = os.path.abspath(so)
     import torch  # noqa: F401  (the libstdc++ the extension meets is the one loaded after torch)
     verdict = check_extension(so, refresh=args.refresh)
-    if verdict.status in ("crashed", "failed", "timeout", "killed"):
+    if verdict.status in ("crashed", "other_torch", "failed", "timeout", "killed"):
         print(f"BUILD CHECK FAILED: {verdict.message}", file=sys.stderr)
         return 1
     if verdict.status == "skipped":
