@@ -374,8 +374,13 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
 
 
-def foreach_norm(tensors, ord):
-    return torch._foreach_norm(tensors, ord)
+def foreach_norm(tensors, ord) -> list:
+    """`torch._foreach_norm`: each tensor's norm, in its dtype. An empty tensor's norm is 0, which
+    the op refuses to give for the infinity norm (no identity) although a shard of a parameter
+    smaller than its mesh is empty."""
+    full = [t for t in tensors if t.numel()]
+    norms = iter(torch._foreach_norm(full, ord) if full else ())
+    return [next(norms) if t.numel() else t.new_zeros(()) for t in tensors]
 
 
 def foreach_mul_(tensors, scalar) -> None:

@@ -167,6 +167,28 @@ def test_a_nan_gradient_is_reported_on_every_rank(pools):
     assert all(e.type_name == "RuntimeError" and "NaN in the gradient of" in e.message for e in errors), errors
 
 
+def _case_a_parameter_smaller_than_the_mesh():
+    """The last layer's weight [1, 6] and bias [1] leave rank 1 empty shards: the NaN report and the
+    gradient norms (max and 2-norm) take them as they take any other."""
+    from megatron_fsdp.optimizer.clip_grads import get_grad_norm_fp32
+
+    torch.manual_seed(0)
+    model = fully_shard_model(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 1)),
+                              fsdp_unit_modules=[nn.Linear], report_nan_in_param_grad=True, zero_dp_strategy=3)
+    last = model.module[2]
+    assert [p.to_local().numel() for p in last.parameters()] == ([6, 1] if dist.get_rank() == 0 else [0, 0])
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))).square().sum().backward()
+    model.finish_grad_sync()
+    grads = [p.grad for p in model.module.parameters()]
+    full = torch.cat([g.full_tensor().flatten() for g in grads])
+    assert get_grad_norm_fp32(grads, float("inf")) == full.abs().max().item()
+    torch.testing.assert_close(get_grad_norm_fp32(grads), full.norm().item(), rtol=1e-6, atol=0)
+
+
+def test_a_parameter_smaller_than_the_mesh_leaves_empty_shards_that_checks_take(pools):
+    pools(2).run(_case_a_parameter_smaller_than_the_mesh)
+
+
 def _case_optimizer_state_exists_and_changes_nothing(path):
     precreated = adam_run(None, 3)
     lazy = adam_run(None, 3, precreated=False)
