@@ -38,6 +38,14 @@ def triton_kernels_for(tensor: torch.Tensor, module: str):
     return found or None
 
 
+def transpose_first_two(t: torch.Tensor) -> torch.Tensor:
+    """t.transpose(0, 1) in a contiguous tensor of its own: what Megatron's
+    `transpose(0, 1).contiguous()` gives, except where one of the two dims has size 1 (a
+    micro-batch of one sequence), where that is a view of `t`. FSDP2 warns on every rank when a
+    wrapped module returns a view (an in-place op on it would skip FSDP's backward hook)."""
+    return t.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+
+
 def is_distributed() -> bool:
     """torch.distributed is available and its default group is up."""
     return dist.is_available() and dist.is_initialized()

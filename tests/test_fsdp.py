@@ -162,6 +162,30 @@ def test_grad_reduce_in_fp32_selects_reduce_dtype(pools, grad_reduce_in_fp32):
     pools(4).run(_case_reduce_dtype, grad_reduce_in_fp32)
 
 
+def _case_micro_batch_of_one(model_name):
+    """With one sequence per micro-batch the embedding's output, the loss and the logits are
+    tensors of their own, not views (Megatron's transpose(0, 1).contiguous() of a dim of size 1 is
+    one): FSDP2 warns on every rank about a wrapped module's view outputs."""
+    import warnings
+
+    *_, wrapped = _build(1, model_name, {}, {}, {})
+    ids = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loss = wrapped(ids, torch.arange(SEQ)[None], None, labels=ids)
+        loss.sum().backward()
+        with torch.no_grad():
+            logits = wrapped(ids, torch.arange(SEQ)[None], None)
+    assert loss.shape == (1, SEQ) and logits.shape == (1, SEQ, 64)
+    assert not loss._is_view() and not logits._is_view() and logits.is_contiguous()
+    assert not [w for w in seen if "view" in str(w.message)], [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("model_name", ["plain", "tied_rope"])
+def test_a_micro_batch_of_one_gives_outputs_that_are_not_views(pools, model_name):
+    pools(2).run(_case_micro_batch_of_one, model_name)
+
+
 def _case_broadcast_params_hsdp():
     _, tp, ps_kwargs, ddp_kwargs, wrapper_kwargs = LAYOUTS["hsdp_2x2"]
     *_, wrapped = _build(tp, "plain", ps_kwargs, ddp_kwargs, wrapper_kwargs)

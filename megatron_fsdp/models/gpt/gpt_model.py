@@ -15,7 +15,7 @@ from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from ...transformer.module import MegatronModule
 from ...transformer.transformer_block import TransformerBlock
 from ...transformer.utils import reject_unsupported_inputs
-from ...utils import check_positive_int
+from ...utils import check_positive_int, transpose_first_two
 from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding, shield_rotary_angles
 from .gpt_layer_specs import layer_class_from_spec
@@ -176,7 +176,7 @@ class GPTModel(MegatronModule):
         if labels is None:
             logits, _ = self.output_layer(hidden_states, weight=weight,
                                           runtime_gather_output=runtime_gather_output)
-            return logits.transpose(0, 1).contiguous()
+            return transpose_first_two(logits)
         # The loss needs vocabulary-parallel logits whatever parallel_output says.
         logits, _ = self.output_layer(hidden_states, weight=weight, runtime_gather_output=False)
         return self.compute_language_model_loss(labels, logits)
@@ -190,4 +190,4 @@ class GPTModel(MegatronModule):
             if not self.fp16_lm_cross_entropy:
                 logits = logits.float()
             loss = vocab_parallel_cross_entropy(logits, labels)
-        return loss.transpose(0, 1).contiguous()
+        return transpose_first_two(loss)

@@ -12,6 +12,7 @@ from ....tensor_parallel import random as tp_random
 from ....tensor_parallel.layers import VocabParallelEmbedding
 from ....tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from ....tensor_parallel.utils import init_full_tensor, record_init
+from ....utils import transpose_first_two
 
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
@@ -73,7 +74,7 @@ class LanguageModelEmbedding(nn.Module):
                 )
             embeddings = embeddings + self.position_embeddings(position_ids)
         if not self.reduce_scatter_embeddings:
-            embeddings = embeddings.transpose(0, 1).contiguous()
+            embeddings = transpose_first_two(embeddings)
         if tokentype_ids is not None:
             if self.tokentype_embeddings is None:
                 raise ValueError("tokentype_ids given but the embedding was built with num_tokentypes=0")
