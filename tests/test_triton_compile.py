@@ -60,8 +60,8 @@ def _cross_entropy(dtype, backward):
     if backward:
         signature = dict(**rows, grad_ptr="*fp32", dlogits_ptr=f"*{dtype}", **scalars)
         return triton_cross_entropy._ce_bwd_kernel, signature, dict(BLOCK=triton_cross_entropy._BLOCK)
-    signature = dict(**rows, predicted_ptr="*fp32", **scalars)
-    return triton_cross_entropy._ce_stats_kernel, signature, dict(BLOCK=triton_cross_entropy._BLOCK)
+    signature = dict(**rows, predicted_ptr="*fp32", row_stride="i32", vocab_start="i32")
+    return triton_cross_entropy._ce_stats_kernel, signature, dict(V=128256, BLOCK=triton_cross_entropy._BLOCK)
 
 
 CASES = ([_rope(*c) for c in itertools.product(("bf16", "fp16", "fp32"), (False, True), (False, True))]

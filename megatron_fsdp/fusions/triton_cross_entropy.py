@@ -25,9 +25,12 @@ from .._triton_launch import traceable
 _BLOCK = 4096
 
 
+# V is a compile-time constant (one kernel per vocabulary slice width, one in a run): the loop's
+# bound is then a Python int, as Triton 3.6's interpreter needs (it cannot take int() of a kernel
+# argument under NumPy 2), and the compiler knows the trip count.
 @triton.jit
-def _ce_stats_kernel(logits_ptr, target_ptr, max_ptr, sum_exp_ptr, predicted_ptr, V, row_stride, vocab_start,
-                     BLOCK: tl.constexpr):
+def _ce_stats_kernel(logits_ptr, target_ptr, max_ptr, sum_exp_ptr, predicted_ptr, row_stride, vocab_start,
+                     V: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     m = tl.full([], float("-inf"), tl.float32)
@@ -76,7 +79,7 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor,
     n = logits.shape[0]
     stats = [torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3)]
     if n and V:
-        traceable(_ce_stats_kernel)[(n,)](logits, target, *stats, V, logits.stride(0), vocab_start,
+        traceable(_ce_stats_kernel)[(n,)](logits, target, *stats, logits.stride(0), vocab_start, V=V,
                                           BLOCK=min(_BLOCK, triton.next_power_of_2(V)), num_warps=8)
     return stats[0], stats[1], stats[2]
 
