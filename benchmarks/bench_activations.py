@@ -129,6 +129,23 @@ def bench(kind: str, hidden: int, ffn: int, tokens: int, repeats: int, device, d
             "torch": torch.__version__}
 
 
+def _shape_dtype(shape, dtype) -> str:
+    return f"{'x'.join(map(str, shape))}/{str(dtype).split('.')[-1]}"
+
+
+def _timed_row(case: str, arms: dict, repeats: int, device, *, baseline: str, kernel: str, fallback: str,
+               **extra_ms) -> dict:
+    """`arms` timed in alternating rounds, as one JSON row: "ours_ms" the `kernel` arm (CUDA) or,
+    where it did not run, the `fallback` one; "torch_ms" the `baseline` arm; `extra_ms` names
+    further fields after the arms they report."""
+    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
+    ours = kernel if kernel in ms else fallback
+    return {"case": case, "ours_ms": ms[ours], "torch_ms": ms[baseline],
+            "torch_over_ours": round(ms[baseline] / ms[ours], 3),
+            **{field: ms[arm] for field, arm in extra_ms.items()}, "arm": ours,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+
+
 def bench_rope(shape, fused: bool, repeats: int, device, dtype) -> dict:
     q = torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(*shape, device=device, dtype=dtype)
@@ -145,12 +162,8 @@ def bench_rope(shape, fused: bool, repeats: int, device, dtype) -> dict:
     arms = {"eager": step(False)}
     if rotary_pos_embedding._kernels_for(q) is not None:
         arms["kernel"] = step(True)
-    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
-    ours = "kernel" if "kernel" in ms else "eager"
-    return {"case": f"rope/{'fused' if fused else 'unfused'}/{'x'.join(map(str, shape))}/{str(dtype).split('.')[-1]}",
-            "ours_ms": ms[ours], "torch_ms": ms["eager"], "torch_over_ours": round(ms["eager"] / ms[ours], 3),
-            "arm": ours, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__}
+    return _timed_row(f"rope/{'fused' if fused else 'unfused'}/{_shape_dtype(shape, dtype)}", arms, repeats, device,
+                      baseline="eager", kernel="kernel", fallback="eager")
 
 
 def bench_bias_dropout_add(shape, repeats: int, device, dtype) -> dict:
@@ -168,12 +181,8 @@ def bench_bias_dropout_add(shape, repeats: int, device, dtype) -> dict:
     arms = {"unfused": step(False, False), "fused_eager": step(True, False)}
     if transformer_layer._kernels_for(x) is not None:
         arms["fused"] = step(True, True)
-    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
-    ours = "fused" if "fused" in ms else "fused_eager"
-    return {"case": f"bias_dropout_add/{'x'.join(map(str, shape))}/{str(dtype).split('.')[-1]}",
-            "ours_ms": ms[ours], "torch_ms": ms["unfused"], "torch_over_ours": round(ms["unfused"] / ms[ours], 3),
-            "fused_eager_ms": ms["fused_eager"], "arm": ours,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    return _timed_row(f"bias_dropout_add/{_shape_dtype(shape, dtype)}", arms, repeats, device, baseline="unfused",
+                      kernel="fused", fallback="fused_eager", fused_eager_ms="fused_eager")
 
 
 def bench_cross_entropy(shape, repeats: int, device, dtype) -> dict:
@@ -195,12 +204,8 @@ def bench_cross_entropy(shape, repeats: int, device, dtype) -> dict:
     arms = {"unfused": step(False)}
     if fused_cross_entropy._kernels_for(logits) is not None:
         arms["fused"] = step(True)
-    ms = {name: round(t, 3) for name, t in best_of_rounds(arms, repeats, device).items()}
-    ours = "fused" if "fused" in ms else "unfused"
-    return {"case": f"cross_entropy/{'x'.join(map(str, shape))}/{str(dtype).split('.')[-1]}",
-            "ours_ms": ms[ours], "torch_ms": ms["unfused"], "torch_over_ours": round(ms["unfused"] / ms[ours], 3),
-            "arm": ours, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__}
+    return _timed_row(f"cross_entropy/{_shape_dtype(shape, dtype)}", arms, repeats, device, baseline="unfused",
+                      kernel="fused", fallback="unfused")
 
 
 def main():
