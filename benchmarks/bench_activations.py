@@ -59,8 +59,8 @@ ROPE_SHAPES = {"1b": (2048, 4, 16, 128), "8b": (2048, 2, 32, 128), "tiny": (64, 
 
 @contextlib.contextmanager
 def _eager_path(on: bool, module=fused_activations):
-    """With `on`, `module`'s fused function (bias_activation, apply_rotary_pos_emb, bias_dropout_add,
-    fused_vocab_parallel_cross_entropy) takes its eager path even for CUDA tensors, forward and backward."""
+    """With `on`, `module`'s fused function (bias_activation, apply_rotary_pos_emb, bias_dropout_add)
+    takes its eager path even for CUDA tensors, forward and backward."""
     if not on:
         yield
         return

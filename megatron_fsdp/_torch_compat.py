@@ -374,18 +374,18 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
 
 
-def foreach_norm(tensors, ord) -> list:
-    """`torch._foreach_norm`: each tensor's norm, in its dtype. An empty tensor's norm is 0, which
-    the op refuses to give for the infinity norm (no identity) although a shard of a parameter
-    smaller than its mesh is empty."""
+def foreach_norm(tensors, ord, dtype: Optional[torch.dtype] = None) -> list:
+    """`torch._foreach_norm`: each tensor's norm, accumulated and returned in `dtype` (None: the
+    tensor's own). An empty tensor's norm is 0, which the op refuses to give for the infinity norm
+    (no identity) although a shard of a parameter smaller than its mesh is empty."""
     full = [t for t in tensors if t.numel()]
-    norms = iter(torch._foreach_norm(full, ord) if full else ())
-    return [next(norms) if t.numel() else t.new_zeros(()) for t in tensors]
+    norms = iter(torch._foreach_norm(full, ord, dtype=dtype) if full else ())
+    return [next(norms) if t.numel() else t.new_zeros((), dtype=dtype or t.dtype) for t in tensors]
 
 
 def foreach_mul_(tensors, scalar) -> None:
-    """`torch._foreach_mul_` (what torch's clip_grad_norm_ scales with): one
-    multi-tensor kernel per device and dtype."""
+    """`torch._foreach_mul_` (what torch's clip_grad_norm_ scales with): one op for the
+    list (multi-tensor kernels where its tensors share a device and dtype)."""
     torch._foreach_mul_(tensors, scalar)
 
 

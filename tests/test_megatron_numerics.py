@@ -329,21 +329,29 @@ def test_transformer_block_honours_or_rejects_its_arguments(pools):
 
 def _case_cross_entropy_fusion_on_the_cpu(tp):
     """cross_entropy_loss_fusion on the CPU is the unfused loss on fp32 logits, whose gradient
-    is rounded once to the logits' dtype: Megatron's fused function's contract. Same weights,
-    same batch: the same loss and gradients, bit for bit (the CUDA kernels:
+    is rounded once to the logits' dtype. Same weights, same batch: the same loss and gradients,
+    bit for bit, and the flag did choose the fused function (the CUDA kernels:
     tests/test_triton_cross_entropy.py)."""
+    from megatron_fsdp.models.gpt import gpt_model
+
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (2, 16), generator=g)
     results = []
-    for fusion in (False, True):
-        setup_parallel(tp)  # the same seed: the same weights
-        model = GPTModel(make_config(bf16=True, params_dtype=torch.bfloat16, cross_entropy_loss_fusion=fusion),
-                         vocab_size=64, max_sequence_length=16)
-        loss = model(ids, torch.arange(16)[None], None, labels=ids)
-        assert loss.shape == (2, 16) and loss.dtype == torch.float32
-        loss.sum().backward()
-        results.append((loss.detach(), full_grads(model)))
-        parallel_state.destroy_model_parallel()
+    fused, calls = gpt_model.fused_vocab_parallel_cross_entropy, []
+    gpt_model.fused_vocab_parallel_cross_entropy = lambda *a, **k: calls.append(1) or fused(*a, **k)
+    try:
+        for fusion in (False, True):
+            setup_parallel(tp)  # the same seed: the same weights
+            model = GPTModel(make_config(bf16=True, params_dtype=torch.bfloat16, cross_entropy_loss_fusion=fusion),
+                             vocab_size=64, max_sequence_length=16)
+            loss = model(ids, torch.arange(16)[None], None, labels=ids)
+            assert loss.shape == (2, 16) and loss.dtype == torch.float32
+            loss.sum().backward()
+            results.append((loss.detach(), full_grads(model)))
+            parallel_state.destroy_model_parallel()
+            assert len(calls) == fusion  # the flag chose the fused function, once per forward
+    finally:
+        gpt_model.fused_vocab_parallel_cross_entropy = fused
     (want_loss, want_grads), (loss, grads) = results
     assert torch.equal(loss, want_loss)
     for name, grad in want_grads.items():

@@ -1,8 +1,10 @@
 """The fused cross entropy's Triton kernels (megatron_fsdp/fusions) against torch's cross entropy
 in float64: the loss and the logits' gradient in fp32, bf16 and fp16 logits, a vocabulary of
 one block and one of several (the online max and sum across blocks), logits large enough that
-exp() would overflow without the max, targets at both ends of the vocabulary; and split over
-two tensor-parallel ranks, each holding half of the vocabulary.
+exp() would overflow without the max, targets at both ends of the vocabulary and outside it
+(Megatron's masked term), masked logits at -inf, strided logits and targets; split over two
+tensor-parallel ranks, each holding half of the vocabulary; and GPTModel's loss with the fusion
+against the flag off.
 
 On the GPU or under Triton's interpreter (triton_testing.py).
 """
@@ -11,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_testing import DEVICE  # first
-from helpers import setup_parallel
+from triton_testing import DEVICE, ON_GPU  # first
+from helpers import full_grads, make_config, setup_parallel
 from megatron_fsdp import parallel_state
 from megatron_fsdp.fusions import fused_cross_entropy as fce
 from megatron_fsdp.fusions import triton_cross_entropy as tce
@@ -80,10 +82,61 @@ def test_strided_rows_and_int32_targets(monkeypatch):
     assert not x.grad[..., V:].any()
 
 
+def test_strided_int64_targets(monkeypatch):
+    """Targets that are a strided view (every other column of a wider tensor) are read where they are."""
+    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
+    logits, _, weights = _inputs(40, torch.float32, seed=3)
+    wide = torch.randint(0, 40, (S, 2 * B), generator=torch.Generator().manual_seed(4))
+    target = wide[:, ::2]
+    assert target.stride() == (2 * B, 2)
+    want_loss, want_grad = _dense(logits, target, weights)
+    loss, grad = _fused(logits, target, weights)
+    torch.testing.assert_close(loss, want_loss.float(), **LOSS)
+    torch.testing.assert_close(grad, want_grad.float(), **GRAD[torch.float32])
+
+
+def test_masked_vocabulary_at_minus_infinity(monkeypatch):
+    """Logits at -inf (a masked part of the vocabulary) in the first block of a row, or in all of it
+    but the target's column: the loss and gradient stay finite, as torch's do."""
+    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
+    V = tce._BLOCK + 40
+    logits, target, weights = _inputs(V, torch.float32, seed=5)
+    logits[..., :tce._BLOCK] = float("-inf")
+    target = target.clamp(min=tce._BLOCK)
+    logits[0, 0, :] = float("-inf")
+    logits[0, 0, target[0, 0]] = 3.0
+    want_loss, want_grad = _dense(logits, target, weights)
+    loss, grad = _fused(logits, target, weights)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, want_loss.float(), **LOSS)
+    torch.testing.assert_close(grad, want_grad.float(), **GRAD[torch.float32])
+
+
+def test_targets_outside_the_vocabulary_give_megatrons_loss(monkeypatch):
+    """An ignore index (-100) or an id past the vocabulary: Megatron's loss log(sum exp(x - max)),
+    the target's term masked, and the softmax as the gradient (the unfused function's, on fp32)."""
+    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
+    V = 40
+    logits, target, weights = _inputs(V, torch.float32, seed=6)
+    target[1] = torch.tensor([-100, V, 5])
+    outside = (target < 0) | (target >= V)
+    x = logits.double().requires_grad_()
+    shifted = x - x.max(dim=-1, keepdim=True).values.detach()  # Megatron's backward takes the max as a constant
+    log_sum_exp = shifted.exp().sum(dim=-1).log()
+    target_term = shifted.gather(-1, target.clamp(0, V - 1)[..., None])[..., 0].masked_fill(outside, 0.0)
+    want = log_sum_exp - target_term
+    (want * weights.double()).sum().backward()
+    loss, grad = _fused(logits, target, weights)
+    torch.testing.assert_close(loss, want.detach().float(), **LOSS)
+    torch.testing.assert_close(grad, x.grad.float(), **GRAD[torch.float32])
+
+
 def test_the_ops_reject_what_they_cannot_read():
     logits = torch.zeros(4, 8, device=DEVICE)
-    with pytest.raises(ValueError, match=r"expected logits \[tokens, vocab\] and int64 targets"):
+    with pytest.raises(ValueError, match=r"expected logits \[tokens, vocab > 0\] and int64 targets"):
         tce.cross_entropy_stats(logits, torch.zeros(5, dtype=torch.int64, device=DEVICE), 0)
+    with pytest.raises(ValueError, match=r"got logits \(4, 0\)"):
+        tce.cross_entropy_stats(logits[:, :0], torch.zeros(4, dtype=torch.int64, device=DEVICE), 0)
     with pytest.raises(ValueError, match=r"does not match target shape \(2, 3\)"):
         fce.fused_vocab_parallel_cross_entropy(torch.zeros(2, 2, 8), torch.zeros(2, 3, dtype=torch.int64))
 
@@ -97,6 +150,8 @@ def _case_vocab_parallel(tp: int, dtype) -> None:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         V = 2 * 300
         logits, target, weights = _inputs(V, dtype, seed=2)
+        logits[1, 1, :V // 2] = float("-inf")  # all of rank 0's slice of one row masked (at TP=2)
+        target[1, 1] = V - 3
         want_loss, want_grad = _dense(logits, target, weights)
         x = logits.chunk(tp, dim=-1)[tp_rank].clone().to(DEVICE).requires_grad_()
         loss = fce.fused_vocab_parallel_cross_entropy(x, target.to(DEVICE))  # parallel_state's TP group
@@ -111,3 +166,38 @@ def _case_vocab_parallel(tp: int, dtype) -> None:
 @pytest.mark.parametrize("tp,dtype", [(1, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
 def test_vocab_parallel_kernels_give_the_dense_loss_and_gradient(pools, tp, dtype):
     pools(2).run(_case_vocab_parallel, tp, dtype)
+
+
+def _case_gpt_model_loss(tp: int, tied: bool) -> None:
+    """GPTModel's loss with cross_entropy_loss_fusion through the kernels against the flag off:
+    the same per-token losses and gradients, at TP 1 and 2 with sequence parallelism, tied output
+    weights or not."""
+    from megatron_fsdp.models.gpt import GPTModel
+
+    kernels_for = fce._kernels_for
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(7))
+    ids[0, 3] = 63  # the vocabulary's last id: the last TP rank's slice
+    results = []
+    try:
+        fce._kernels_for = lambda t: tce
+        for fusion in (False, True):
+            setup_parallel(tp)  # the same seed: the same weights
+            config = make_config(cross_entropy_loss_fusion=fusion, sequence_parallel=tp > 1)
+            model = GPTModel(config, vocab_size=64, max_sequence_length=16, share_embeddings_and_output_weights=tied)
+            loss = model(ids, torch.arange(16)[None], None, labels=ids)
+            loss.sum().backward()
+            results.append((loss.detach(), full_grads(model)))
+            parallel_state.destroy_model_parallel()
+    finally:
+        fce._kernels_for = kernels_for
+    (want_loss, want_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the pool's GPT runs on the CPU, where only Triton's interpreter runs the kernels; "
+                                    "on the GPU the kernel tests above run them")
+@pytest.mark.parametrize("tp,tied", [(1, True), (2, False)])
+def test_gpt_model_loss_through_the_kernels(pools, tp, tied):
+    pools(2).run(_case_gpt_model_loss, tp, tied)

@@ -3,11 +3,13 @@
 
 Megatron's fused function computes what the unfused one does (fp32 arithmetic on the logits,
 one all-reduce of the max and one of the target's logit and the sum of exponentials over the
-tensor-parallel group) with its elementwise steps fused, and returns the logits' gradient in the
-logits' dtype. On CUDA the forward and backward passes here are one Triton kernel each
-(triton_cross_entropy.py), reading the logits in their own dtype: no fp32 copy of them is made
-or kept. Elsewhere (the CPU) it is the unfused function on the fp32 logits, whose gradient
-autograd rounds once to the logits' dtype: the same contract.
+tensor-parallel group) with its elementwise steps fused, and rounds the logits' gradient once to
+bf16 (hard-coded: the logits' dtype in a bf16 run). Here the gradient is rounded once to the
+logits' dtype, whatever it is. On CUDA the forward and backward passes are one Triton kernel each
+(triton_cross_entropy.py), reading the logits in their own dtype: no fp32 copy of them is made or
+kept. Elsewhere (the CPU) it is the unfused function on the fp32 logits, whose gradient autograd
+rounds once to the logits' dtype. fp16_lm_cross_entropy does not apply with the fusion, as in
+Megatron.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
         world = dist.get_world_size(group) if group is not None else 1
         vocab_per_rank = logits.size(-1)
         vocab_start = dist.get_rank(group) * vocab_per_rank if world > 1 else 0
-        rows, targets = logits.reshape(-1, vocab_per_rank), target.reshape(-1).long()
+        rows, targets = logits.reshape(-1, vocab_per_rank), target.reshape(-1).long().contiguous()
         logits_max, sum_exp, predicted = kernels.cross_entropy_stats(rows, targets, vocab_start)
         if world > 1:
             # Each rank's sum of exponentials is relative to its own max: rescale it to the global one.
@@ -44,8 +46,10 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
             packed = torch.stack([predicted, sum_exp])  # one all-reduce for both, as Megatron's
             dist.all_reduce(packed, group=group)
             logits_max, (predicted, sum_exp) = global_max, packed
-        # Megatron's loss: log(sum of exp(logit - max)) - (target's logit - max).
-        loss = sum_exp.log() - (predicted - logits_max)
+        # Megatron's loss: log(sum of exp(logit - max)) - (target's logit - max), the second term 0
+        # for a target outside the vocabulary (an ignore index such as -100), as Megatron masks it.
+        in_vocabulary = (targets >= 0) & (targets < vocab_per_rank * world)
+        loss = sum_exp.log() - torch.where(in_vocabulary, predicted - logits_max, 0.0)
         ctx.save_for_backward(rows, targets, logits_max, sum_exp)
         ctx.vocab_start, ctx.logits_shape = vocab_start, logits.shape
         return loss.view(target.shape)

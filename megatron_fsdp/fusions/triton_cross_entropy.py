@@ -39,7 +39,10 @@ def _ce_stats_kernel(logits_ptr, target_ptr, max_ptr, sum_exp_ptr, predicted_ptr
         j = start + tl.arange(0, BLOCK)
         x = tl.load(base + j, mask=j < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        # While every logit so far is -inf (masked vocabulary), exp(-inf - -inf) would be NaN:
+        # shift by 0 instead, which keeps the sum at 0 until a finite logit comes.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), 0)
         m = m_new
     t = tl.load(target_ptr + row) - vocab_start
     inside = (t >= 0) & (t < V)
@@ -62,11 +65,12 @@ def _ce_bwd_kernel(logits_ptr, target_ptr, max_ptr, sum_exp_ptr, grad_ptr, dlogi
     tl.store(dlogits_ptr + row * V + j, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(name: str, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
-    if logits.dim() != 2 or target.shape != logits.shape[:1] or target.dtype != torch.int64:
-        raise ValueError(f"{name}: expected logits [tokens, vocab] and int64 targets [tokens], got logits "
+def _check(name: str, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(logits with unit stride along the vocabulary, contiguous targets, the slice's width)."""
+    if logits.dim() != 2 or target.shape != logits.shape[:1] or target.dtype != torch.int64 or not logits.shape[1]:
+        raise ValueError(f"{name}: expected logits [tokens, vocab > 0] and int64 targets [tokens], got logits "
                          f"{tuple(logits.shape)} and {target.dtype} targets {tuple(target.shape)}")
-    return (logits if logits.stride(-1) == 1 else logits.contiguous()), logits.shape[1]
+    return (logits if logits.stride(-1) == 1 else logits.contiguous()), target.contiguous(), logits.shape[1]
 
 
 @triton_op("megatron_fsdp::cross_entropy_stats", mutates_args=())
@@ -75,10 +79,10 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor,
     """Per row of this rank's logits [tokens, vocab slice], in fp32: the max, the sum of
     exp(logit - max), and the target's logit (0 where the target is outside the slice that
     starts at global id `vocab_start`)."""
-    logits, V = _check("cross_entropy_stats", logits, target)
+    logits, target, V = _check("cross_entropy_stats", logits, target)
     n = logits.shape[0]
     stats = [torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3)]
-    if n and V:
+    if n:
         traceable(_ce_stats_kernel)[(n,)](logits, target, *stats, logits.stride(0), vocab_start, V=V,
                                           BLOCK=min(_BLOCK, triton.next_power_of_2(V)), num_warps=8)
     return stats[0], stats[1], stats[2]
@@ -90,10 +94,10 @@ def cross_entropy_bwd(logits: torch.Tensor, target: torch.Tensor, logits_max: to
     """The gradient of the logits (their dtype, contiguous) from the per-row loss gradient:
     (exp(logit - max) / sum_exp - [the target's column]) * grad, in fp32, the max and sum of
     exponentials being the whole vocabulary's."""
-    logits, V = _check("cross_entropy_bwd", logits, target)
+    logits, target, V = _check("cross_entropy_bwd", logits, target)
     n = logits.shape[0]
     dlogits = torch.empty((n, V), dtype=logits.dtype, device=logits.device)
-    if n and V:
+    if n:
         block = min(_BLOCK, triton.next_power_of_2(V))
         traceable(_ce_bwd_kernel)[(n, triton.cdiv(V, block))](
             logits, target, logits_max, sum_exp, grad_loss.float().contiguous(), dlogits, V, logits.stride(0),

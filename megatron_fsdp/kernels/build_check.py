@@ -325,7 +325,9 @@ def _other_torch_message(so_path: str) -> str:
 
 def check_extension(so_path: str, use_cache: bool = True, refresh: bool = False) -> Verdict:
     """The verdict for the built extension at `so_path` (cached per file: path, size, mtime).
-    refresh: check again even when a verdict is cached (and cache the new one)."""
+    refresh: check again even when a verdict is cached (and cache the new one). An extension
+    built against another torch is refused even with the check switched off (CHECK_ENV=0):
+    that switch skips the child process, not the version comparison."""
     other_torch = _other_torch_message(so_path)
     if other_torch:  # before the probe: loading it can corrupt memory rather than raise
         return Verdict(False, "other_torch", other_torch)

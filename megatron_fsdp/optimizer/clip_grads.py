@@ -38,7 +38,7 @@ def _reduce_over_shards(grads: list[torch.Tensor], local_stat: Callable[[list[to
     """`op` (SUM or MAX) of `local_stat` over every gradient element, the
     same on every rank: one reduction per distinct set of sharded mesh dims.
     `local_stat` takes one bucket's local tensors at once, so that a bucket
-    of a hundred gradients costs one multi-tensor kernel, not a hundred."""
+    of a hundred gradients costs one multi-tensor op, not a hundred."""
     buckets: dict[tuple, list] = {}
     for g in grads:
         local = g.to_local() if isinstance(g, DTensor) else g
@@ -60,10 +60,10 @@ def _reduce_over_shards(grads: list[torch.Tensor], local_stat: Callable[[list[to
 
 
 def _norms_fp32(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Each tensor's `norm_type` norm in fp32, stacked: one multi-tensor kernel
-    (torch's `_foreach_norm`, what `clip_grad_norm_` uses) per device and dtype."""
-    return torch.stack(_torch_compat.foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors],
-                                                  norm_type))
+    """Each tensor's `norm_type` norm, accumulated in fp32, stacked: one op for the bucket
+    (torch's `_foreach_norm`, what `clip_grad_norm_` uses: multi-tensor kernels where the
+    tensors share a device and dtype, as the optimizer's fp32 main gradients do)."""
+    return torch.stack(_torch_compat.foreach_norm(tensors, norm_type, dtype=torch.float32))
 
 
 def get_grad_norm_fp32(grads_for_norm: _Tensors, norm_type: Union[int, float] = 2) -> float:
