@@ -9,6 +9,8 @@ against the flag off.
 On the GPU or under Triton's interpreter (triton_testing.py).
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,23 @@ S, B = 7, 3
 LOSS = dict(rtol=2e-6, atol=2e-5)
 GRAD = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.bfloat16: dict(rtol=8e-3, atol=1e-6),
         torch.float16: dict(rtol=1e-3, atol=1e-7)}
+
+
+@contextlib.contextmanager
+def _through_the_kernels():
+    """The fused function takes the Triton kernels for any tensor (CPU ones: Triton's interpreter)."""
+    kernels_for = fce._kernels_for
+    fce._kernels_for = lambda t: tce
+    try:
+        yield
+    finally:
+        fce._kernels_for = kernels_for
+
+
+@pytest.fixture(autouse=True)
+def _kernels_in_this_process():
+    with _through_the_kernels():
+        yield
 
 
 def _inputs(V: int, dtype, seed=0):
@@ -54,8 +73,7 @@ def _fused(logits, target, weights, group=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("V", [37, 2 * tce._BLOCK + 77])  # one block; two whole blocks and a ragged one
-def test_the_kernels_give_torchs_loss_and_gradient(dtype, V, monkeypatch):
-    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
+def test_the_kernels_give_torchs_loss_and_gradient(dtype, V):
     logits, target, weights = _inputs(V, dtype)
     want_loss, want_grad = _dense(logits, target, weights)
     loss, grad = _fused(logits, target, weights)
@@ -65,9 +83,8 @@ def test_the_kernels_give_torchs_loss_and_gradient(dtype, V, monkeypatch):
     torch.testing.assert_close(grad, want_grad.to(dtype), **GRAD[dtype])
 
 
-def test_strided_rows_and_int32_targets(monkeypatch):
+def test_strided_rows_and_int32_targets():
     """Logits whose rows are apart in memory (a slice of a wider tensor) and int32 targets."""
-    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
     V = 50
     wide, target, weights = _inputs(V + 14, torch.float32, seed=1)
     target = target.clamp(max=V - 1)
@@ -82,9 +99,8 @@ def test_strided_rows_and_int32_targets(monkeypatch):
     assert not x.grad[..., V:].any()
 
 
-def test_strided_int64_targets(monkeypatch):
+def test_strided_int64_targets():
     """Targets that are a strided view (every other column of a wider tensor) are read where they are."""
-    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
     logits, _, weights = _inputs(40, torch.float32, seed=3)
     wide = torch.randint(0, 40, (S, 2 * B), generator=torch.Generator().manual_seed(4))
     target = wide[:, ::2]
@@ -95,10 +111,9 @@ def test_strided_int64_targets(monkeypatch):
     torch.testing.assert_close(grad, want_grad.float(), **GRAD[torch.float32])
 
 
-def test_masked_vocabulary_at_minus_infinity(monkeypatch):
+def test_masked_vocabulary_at_minus_infinity():
     """Logits at -inf (a masked part of the vocabulary) in the first block of a row, or in all of it
     but the target's column: the loss and gradient stay finite, as torch's do."""
-    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
     V = tce._BLOCK + 40
     logits, target, weights = _inputs(V, torch.float32, seed=5)
     logits[..., :tce._BLOCK] = float("-inf")
@@ -112,10 +127,9 @@ def test_masked_vocabulary_at_minus_infinity(monkeypatch):
     torch.testing.assert_close(grad, want_grad.float(), **GRAD[torch.float32])
 
 
-def test_targets_outside_the_vocabulary_give_megatrons_loss(monkeypatch):
+def test_targets_outside_the_vocabulary_give_megatrons_loss():
     """An ignore index (-100) or an id past the vocabulary: Megatron's loss log(sum exp(x - max)),
     the target's term masked, and the softmax as the gradient (the unfused function's, on fp32)."""
-    monkeypatch.setattr(fce, "_kernels_for", lambda t: tce)
     V = 40
     logits, target, weights = _inputs(V, torch.float32, seed=6)
     target[1] = torch.tensor([-100, V, 5])
@@ -144,9 +158,7 @@ def test_the_ops_reject_what_they_cannot_read():
 def _case_vocab_parallel(tp: int, dtype) -> None:
     """Each TP rank holds its slice of the vocabulary; loss and gradient slice against the dense."""
     setup_parallel(tp)
-    kernels_for = fce._kernels_for
     try:
-        fce._kernels_for = lambda t: tce
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         V = 2 * 300
         logits, target, weights = _inputs(V, dtype, seed=2)
@@ -154,12 +166,12 @@ def _case_vocab_parallel(tp: int, dtype) -> None:
         target[1, 1] = V - 3
         want_loss, want_grad = _dense(logits, target, weights)
         x = logits.chunk(tp, dim=-1)[tp_rank].clone().to(DEVICE).requires_grad_()
-        loss = fce.fused_vocab_parallel_cross_entropy(x, target.to(DEVICE))  # parallel_state's TP group
-        (loss * weights.to(DEVICE)).sum().backward()
+        with _through_the_kernels():
+            loss = fce.fused_vocab_parallel_cross_entropy(x, target.to(DEVICE))  # parallel_state's TP group
+            (loss * weights.to(DEVICE)).sum().backward()
         torch.testing.assert_close(loss.detach().cpu(), want_loss.float(), **LOSS)
         torch.testing.assert_close(x.grad.cpu(), want_grad.to(dtype).chunk(tp, dim=-1)[tp_rank], **GRAD[dtype])
     finally:
-        fce._kernels_for = kernels_for
         parallel_state.destroy_model_parallel()
 
 
@@ -174,12 +186,10 @@ def _case_gpt_model_loss(tp: int, tied: bool) -> None:
     weights or not."""
     from megatron_fsdp.models.gpt import GPTModel
 
-    kernels_for = fce._kernels_for
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(7))
     ids[0, 3] = 63  # the vocabulary's last id: the last TP rank's slice
     results = []
-    try:
-        fce._kernels_for = lambda t: tce
+    with _through_the_kernels():
         for fusion in (False, True):
             setup_parallel(tp)  # the same seed: the same weights
             config = make_config(cross_entropy_loss_fusion=fusion, sequence_parallel=tp > 1)
@@ -188,8 +198,6 @@ def _case_gpt_model_loss(tp: int, tied: bool) -> None:
             loss.sum().backward()
             results.append((loss.detach(), full_grads(model)))
             parallel_state.destroy_model_parallel()
-    finally:
-        fce._kernels_for = kernels_for
     (want_loss, want_grads), (loss, grads) = results
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
     for name, grad in want_grads.items():
