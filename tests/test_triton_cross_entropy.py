@@ -3,8 +3,9 @@ in float64: the loss and the logits' gradient in fp32, bf16 and fp16 logits, a v
 one block and one of several (the online max and sum across blocks), logits large enough that
 exp() would overflow without the max, targets at both ends of the vocabulary and outside it
 (Megatron's masked term), masked logits at -inf, strided logits and targets; split over two
-tensor-parallel ranks, each holding half of the vocabulary; and GPTModel's loss with the fusion
-against the flag off.
+tensor-parallel ranks, each holding half of the vocabulary; GPTModel's loss with the fusion
+against the flag off; and, where megatron-core is importable (the CUDA build check), Megatron-Core's
+own fused function on the same inputs.
 
 On the GPU or under Triton's interpreter (triton_testing.py).
 """
@@ -209,3 +210,45 @@ def _case_gpt_model_loss(tp: int, tied: bool) -> None:
 @pytest.mark.parametrize("tp,tied", [(1, True), (2, False)])
 def test_gpt_model_loss_through_the_kernels(pools, tp, tied):
     pools(2).run(_case_gpt_model_loss, tp, tied)
+
+
+def _have_megatron_core() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+def _case_megatron_cores_fused_loss(tp: int) -> None:
+    """Megatron-Core's own fused_vocab_parallel_cross_entropy (its jit fuser off: the same ops run
+    eagerly) and ours through the kernels, on the same bf16 vocabulary slices, an ignore index
+    among the targets: the same losses and the same bf16 gradients."""
+    import megatron.core.jit
+
+    megatron.core.jit.disable_jit_fuser()  # before the fused module is imported: no torch.compile on the CPU
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy as megatrons
+
+    setup_parallel(tp)
+    try:
+        group, tp_rank = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank()
+        logits, target, weights = _inputs(2 * 160, torch.bfloat16, seed=8)
+        target[2, 1] = -100
+        grads, losses = [], []
+        for fused in (megatrons, fce.fused_vocab_parallel_cross_entropy):
+            x = logits.chunk(tp, dim=-1)[tp_rank].clone().to(DEVICE).requires_grad_()
+            with _through_the_kernels():
+                loss = fused(x, target.to(DEVICE), group)
+                (loss * weights.to(DEVICE)).sum().backward()
+            losses.append(loss.detach().cpu())
+            grads.append(x.grad.cpu())
+        assert grads[0].dtype == grads[1].dtype == torch.bfloat16
+        torch.testing.assert_close(losses[1], losses[0], **LOSS)
+        torch.testing.assert_close(grads[1], grads[0], **GRAD[torch.bfloat16])
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.skipif(not _have_megatron_core(),
+                    reason="megatron-core is not importable here (scripts/cuda_build_check.sh runs this with it)")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_cores_fused_loss_gives_ours(pools, tp):
+    pools(2).run(_case_megatron_cores_fused_loss, tp)
