@@ -130,6 +130,21 @@ def warn_if_unsupported_torch() -> None:
                   RuntimeWarning, stacklevel=2)
 
 
+# ------------------------------------------------------------------ compiler
+
+# NOTE: the attribute torch.compiler.assume_constant_result sets (its whole body in torch/_dynamo/
+# decorators.py, 2.11-2.14), pinned against the real decorator by tests/test_torch_compat.py.
+DYNAMO_CONSTANT_RESULT_ATTRIBUTE = "_dynamo_marked_constant"
+
+
+def assume_constant_result(fn):
+    """torch.compiler.assume_constant_result(fn) without importing torch._dynamo: the public
+    decorator imports the whole compiler (about 0.6 s per process) to set one attribute on `fn`,
+    and a module-level use made every rank of every job pay that at import."""
+    setattr(fn, DYNAMO_CONSTANT_RESULT_ATTRIBUTE, True)
+    return fn
+
+
 # ------------------------------------------------------------------ c10d
 
 def default_group() -> dist.ProcessGroup:

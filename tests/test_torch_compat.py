@@ -164,6 +164,20 @@ def _private_uses(path: pathlib.Path) -> list[str]:
     return found
 
 
+def test_assume_constant_result_marks_what_torchs_decorator_marks():
+    # Ours sets one attribute without importing the compiler; torch's decorator must set that
+    # attribute, and only it, or compiled graphs would trace the loader again.
+    def ours():
+        return True
+
+    def torchs():
+        return True
+
+    assert _torch_compat.assume_constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(torchs) is torchs
+    assert vars(torchs) == vars(ours) == {_torch_compat.DYNAMO_CONSTANT_RESULT_ATTRIBUTE: True}
+
+
 def test_no_private_torch_names_outside_the_compat_module():
     sources = [p for d in ("megatron_fsdp", "examples", "benchmarks", "tools") for p in (ROOT / d).rglob("*.py")]
     sources.append(ROOT / "setup.py")

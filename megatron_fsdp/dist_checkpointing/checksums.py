@@ -31,7 +31,6 @@ from typing import Optional
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .. import kernels
 from ..utils import all_gather_objects, get_rank_safe, get_world_size_safe
 from .core import CheckpointError
 from .publish import write_atomic
@@ -42,9 +41,17 @@ _MIXED = "mixed"  # the manifest's algorithm when ranks used different ones
 _warned_slow_crc32c = False
 
 
+def _kernels():
+    """megatron_fsdp.kernels at the first checksum, not when the training loop is imported: loading
+    the extension runs its build check in a child process (kernels/extension.py)."""
+    from .. import kernels
+
+    return kernels
+
+
 def save_algorithm() -> str:
     """What new saves record: crc32c with the extension, else zlib's crc32."""
-    return "crc32c" if kernels.extension_available() else "crc32"
+    return "crc32c" if _kernels().extension_available() else "crc32"
 
 
 def _function(algorithm: str):
@@ -52,13 +59,13 @@ def _function(algorithm: str):
     global _warned_slow_crc32c
     if algorithm == "crc32":
         return zlib.crc32
-    if not kernels.extension_available() and not _warned_slow_crc32c:
+    if not _kernels().extension_available() and not _warned_slow_crc32c:
         _warned_slow_crc32c = True
         warnings.warn("verifying CRC-32C checkpoint checksums without the megatron_fsdp extension "
-                      f"({kernels.extension_import_error()}): the pure-PyTorch CRC-32C runs at about 0.1 GB/s. "
+                      f"({_kernels().extension_import_error()}): the pure-PyTorch CRC-32C runs at about 0.1 GB/s. "
                       "Build the extension (scripts/env.sh), or skip the check with --no-verify-checkpoint "
                       "(load_checkpoint(verify=False))", RuntimeWarning, stacklevel=3)
-    return kernels.crc32c
+    return _kernels().crc32c
 
 
 def checksum_of(data) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..fp8.convert import check_fp8_reshard
+from ..fp8_utils import check_fp8_reshard
 from ..utils import check_positive_int, reject_unsupported
 
 

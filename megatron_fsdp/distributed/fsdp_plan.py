@@ -33,8 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import parallel_state
 from .._process_groups import backend_device_type
-from ..fp8 import (check_fp8_param_gather, convert_to_fp8, convert_to_fp8_weights, linears_to_convert,
-                   materialize_fp8_state, refresh_fp8_weight_scales)
+from ..fp8_utils import check_fp8_param_gather
 from ..initialization import initialize_parameters
 from ..tensor_parallel.utils import copy_tensor_model_parallel_attributes
 from .distributed_data_parallel_config import DistributedDataParallelConfig
@@ -76,7 +75,8 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
     mesh = _data_parallel_mesh(ddp_config, module, process_group)
     _check_reshard_size(module, mesh, reshard_after_forward)
     check_fp8_param_gather(config, ddp_config, reshard_after_forward)
-    linears_to_convert(module, config)  # fp8's GEMM shape rule, before anything changes
+    if getattr(config, "fp8", None) is not None:
+        _fp8().linears_to_convert(module, config)  # fp8's GEMM shape rule, before anything changes
     units = () if disable_bucketing else _units(module, wrap_classes)
     compiled = _layers_to_compile(ddp_config, module, units)
     if process_group is None:
@@ -118,6 +118,14 @@ def apply_fsdp_plan(module: nn.Module, plan: FSDPPlan) -> None:
 # ---------------------------------------------------------------- the steps
 
 
+def _fp8():
+    """megatron_fsdp.fp8, imported by the plans that run fp8 only: its linears, weight subclass and
+    kernels (and torch's compiler, which they load) stay out of every other job's start-up."""
+    from .. import fp8
+
+    return fp8
+
+
 def snapshot_tp_attributes(module: nn.Module) -> dict[str, SimpleNamespace]:
     """fully_shard, fp8 conversion and to_empty make new Parameter objects,
     and float() swaps a DTensor parameter's contents, attributes included:
@@ -143,10 +151,10 @@ def convert_fp8(module: nn.Module, plan: FSDPPlan) -> None:
     Delayed scaling's state is created on the training device now, not in
     the first forward, which a compiled layer traces."""
     if plan.fp8_config is not None:
-        convert_to_fp8(module, plan.fp8_config)
-        materialize_fp8_state(module, _materialization_device(plan.mesh))
+        _fp8().convert_to_fp8(module, plan.fp8_config)
+        _fp8().materialize_fp8_state(module, _materialization_device(plan.mesh))
     if plan.fp8_param_gather:
-        convert_to_fp8_weights(module)
+        _fp8().convert_to_fp8_weights(module)
 
 
 def compile_layers(plan: FSDPPlan) -> None:
@@ -200,7 +208,7 @@ def compute_fp8_scales(module: nn.Module, plan: FSDPPlan) -> None:
     values: only now are they final (the delayed-scaling histories have recorded
     nothing yet: they are left alone). Later the optimizer refreshes them."""
     if plan.fp8_param_gather:
-        refresh_fp8_weight_scales(module)
+        _fp8().refresh_fp8_weight_scales(module)
 
 
 def install_copy_kernels(plan: FSDPPlan) -> None:

@@ -39,11 +39,11 @@ reader for them (utils.register_checkpoint_state). The optimizer, the wrapper
 and the checkpoint code only run what the converter registered.
 """
 
+from ..fp8_utils import check_fp8_param_gather
 from .convert import (
     Fp8ColumnParallelLinear,
     Fp8Linear,
     Fp8RowParallelLinear,
-    check_fp8_param_gather,
     convert_to_fp8,
     convert_to_fp8_weights,
     linears_to_convert,

@@ -16,8 +16,7 @@ import importlib.util
 import sys
 import warnings
 
-import torch
-
+from .. import _torch_compat
 from . import build_check
 
 
@@ -59,7 +58,7 @@ def extension_has_cuda() -> bool:
     return not isinstance(ext, ImportError) and bool(ext.has_cuda)
 
 
-@torch.compiler.assume_constant_result
+@_torch_compat.assume_constant_result
 def extension_serves(device_type: str) -> bool:
     """Whether the extension has kernels for tensors on `device_type` ("cpu" or "cuda"). Fixed for
     the process, and a compiled graph takes it as a constant instead of tracing the loader."""

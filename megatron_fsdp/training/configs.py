@@ -17,7 +17,7 @@ import re
 import torch.nn.functional as F
 
 from ..distributed import TorchFullyShardedDataParallelConfig
-from ..fp8.convert import check_fp8_param_gather
+from ..fp8_utils import check_fp8_param_gather
 from ..optimizer import OptimizerConfig
 from ..transformer import TransformerConfig
 

@@ -38,7 +38,6 @@ from .. import parallel_state
 from ..distributed import TorchFullyShardedDataParallel
 from ..distributed.finalize_model_grads import finalize_model_grads
 from ..enums import ModelType
-from ..fp8 import convert_to_fp8
 from ..num_microbatches_calculator import get_num_microbatches, update_num_microbatches
 from ..optimizer import get_megatron_optimizer
 from ..optimizer_param_scheduler import OptimizerParamScheduler
@@ -177,6 +176,8 @@ def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder, wrap
             print_rank_0(f"> torch.compile: each of the {args.num_layers} TransformerLayers (the first "
                          "iterations compile)")
     elif getattr(get_model_config(model), "fp8", None) is not None:
+        from ..fp8 import convert_to_fp8  # here: a run without fp8 does not load the fp8 stack
+
         convert_to_fp8(model)  # the wrapper's plan does this when wrapped
     return [model]
 
