@@ -1,26 +1,69 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (CPU, gloo worker processes), then the CUDA compile
-# check (scripts/cuda_build_check.sh: the extension built with its CUDA kernels
-# against a CUDA torch in .venv-cuda, and the host-side tests of that build;
-# it needs nvcc, and MEGATRON_FSDP_SKIP_CUDA_BUILD=1 skips it). Where the
-# extension under test already has its CUDA kernels (a CUDA torch with
-# MEGATRON_FSDP_VENV=system), that build is the check. Extra arguments go to
-# pytest, and then only pytest runs (a selection of tests, not the CI run).
-# Fails when either fails.
+# The tests, in steps (CI runs every step: .ci/run). Each step prints its time.
+#
+#   bash scripts/run_tests.sh                  the default suite: every test on CPU (gloo worker
+#                                              processes) except those of the steps below
+#   bash scripts/run_tests.sh -m "not e2e and not slow"   the fast loop (any pytest arguments:
+#                                              the default suite's pytest with them)
+#   bash scripts/run_tests.sh --step NAME ...  separate steps, in the order given:
+#     packaging   the pip/env.sh installs into throwaway environments and the build check's child
+#                 interpreters (pytest -m packaging: tests/test_build.py)
+#     cuda_build  the CUDA sources compiled against a CUDA torch in .venv-cuda, and the host-side
+#                 tests of that build (scripts/cuda_build_check.sh; needs nvcc)
+#     soak        the shutdown soak at full length (pytest -m soak; MEGATRON_FSDP_SHUTDOWN_CYCLES)
+#     suite       the default suite (pytest arguments do not apply here)
+#     all         suite, packaging, cuda_build, soak
+#
+# Where the extension under test already has its CUDA kernels (a CUDA torch with
+# MEGATRON_FSDP_VENV=system), the cuda_build step is that build: nothing more to compile.
+# Fails when any step fails (the later steps still run).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 # The suite must exercise the compiled extension, not its Python fallback.
 export MEGATRON_FSDP_REQUIRE_EXTENSION=1
+
+steps=()
+while [ "$#" -gt 0 ] && [ "$1" = --step ]; do
+  [ "$#" -ge 2 ] || { echo "[run_tests] --step needs a name: suite, packaging, cuda_build, soak or all" >&2; exit 2; }
+  case "$2" in
+    all) steps+=(suite packaging cuda_build soak) ;;
+    suite|packaging|cuda_build|soak) steps+=("$2") ;;
+    *) echo "[run_tests] unknown step '$2' (steps: suite, packaging, cuda_build, soak, all)" >&2; exit 2 ;;
+  esac
+  shift 2
+done
+if [ "${#steps[@]}" -gt 0 ] && [ "$#" -gt 0 ]; then
+  echo "[run_tests] pytest arguments go with the default suite only (no --step): got $*" >&2
+  exit 2
+fi
+[ "${#steps[@]}" -gt 0 ] || steps=(suite)
+
+pytest_args=("$@")
+suite() {
+  # --durations: the slowest tests, so that a test that grew slow is seen (tiers: README).
+  "$PY" -m pytest -q --durations=15 tests ${pytest_args[@]+"${pytest_args[@]}"}
+}
+packaging() { "$PY" -m pytest -q --durations=5 -m packaging tests; }
+soak() { "$PY" -m pytest -q -m soak tests; }
+cuda_build() {
+  if "$PY" -c "import sys; from megatron_fsdp import kernels; sys.exit(not kernels.extension_has_cuda())" 2>/dev/null; then
+    echo "[run_tests] the extension under test has its CUDA kernels: no separate CUDA build to check" >&2
+  else
+    bash "$ROOT/scripts/cuda_build_check.sh"
+  fi
+}
+
 rc=0
-# --durations: the slowest tests, so that a test that grew slow is seen (tiers: README).
-"$PY" -m pytest -q --durations=15 tests "$@" || rc=$?
-if [ "$#" -gt 0 ]; then
-  echo "[run_tests] pytest arguments given: no CUDA build check (run without arguments for it)" >&2
-elif "$PY" -c "import sys; from megatron_fsdp import kernels; sys.exit(not kernels.extension_has_cuda())" 2>/dev/null; then
-  echo "[run_tests] the extension under test has its CUDA kernels: no separate CUDA build check" >&2
-elif ! bash "$ROOT/scripts/cuda_build_check.sh"; then
-  echo "[run_tests] the CUDA build check failed (above); MEGATRON_FSDP_SKIP_CUDA_BUILD=1 skips it" >&2
-  [ "$rc" != 0 ] || rc=1
+summary=()
+for step in "${steps[@]}"; do
+  start=$SECONDS
+  echo "[run_tests] step $step" >&2
+  if "$step"; then status=passed; else status=FAILED; rc=1; fi
+  summary+=("$(printf '%-10s %-6s %5d s' "$step" "$status" $((SECONDS - start)))")
+  echo "[run_tests] step $step: $status in $((SECONDS - start)) s" >&2
+done
+if [ "${#steps[@]}" -gt 1 ]; then
+  printf '[run_tests] %s\n' "${summary[@]}" >&2
 fi
 exit "$rc"

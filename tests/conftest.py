@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import pytest
@@ -31,11 +32,38 @@ class _Pools:
             pool.close()
 
 
+# Markers of the steps that run apart from the default suite (scripts/run_tests.sh --step ...; CI
+# runs each): their tests are collected only when -m names the marker, or a test is named by its id.
+SEPARATE_STEPS = ("packaging", "soak")
+
+
 def pytest_configure(config):
-    # The tiers: `-m "not e2e and not slow"` is the fast loop (README); CI runs everything.
+    # The tiers: `-m "not e2e and not slow"` is the fast loop (README); the default suite runs
+    # everything but the separate steps; CI runs the suite and every step.
     config.addinivalue_line("markers", "e2e: launches the user's entry points as processes (torchrun, "
-                                       "scripts, builds)")
-    config.addinivalue_line("markers", "slow: a case that takes more than about 10 s on a 2-core machine")
+                                       "scripts)")
+    config.addinivalue_line("markers", "slow: a case that takes more than about 3 s on a 2-core machine, "
+                                       "or one of a grid whose representative runs in the fast tier")
+    config.addinivalue_line("markers", "packaging: installs and builds into throwaway environments, and the "
+                                       "build check's child interpreters (a step of its own: -m packaging)")
+    config.addinivalue_line("markers", "soak: the statistical shutdown soak at full length (a step of its "
+                                       "own: -m soak)")
+
+
+def pytest_collection_modifyitems(config, items):
+    named = config.getoption("markexpr") or ""
+    apart = [m for m in SEPARATE_STEPS if not re.search(rf"\b{m}\b", named)]
+    by_id = {arg.replace(os.sep, "/") for arg in config.args if "::" in arg}
+    kept, deselected = [], []
+    for item in items:
+        chosen = item.nodeid in by_id or item.nodeid.split("[")[0] in by_id
+        if not chosen and any(item.get_closest_marker(m) for m in apart):
+            deselected.append(item)
+        else:
+            kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

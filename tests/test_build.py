@@ -11,6 +11,10 @@ megatron_fsdp/kernels/build_check.py):
 * an editable install, and scripts/env.sh with MEGATRON_FSDP_VENV=system,
   with pip forbidden any index: from a copy of the tree into a throwaway
   environment that sees .venv's packages.
+
+The installs and every test that starts a child interpreter are marked
+`packaging`: a step of their own (scripts/run_tests.sh --step packaging, which
+CI runs after the default suite); the rest runs in the default suite.
 """
 
 from __future__ import annotations
@@ -77,12 +81,14 @@ def fake_cxx(tmp_path):
 
 # ---- the probe: a child process makes the extension raise ----
 
+@pytest.mark.packaging  # a child interpreter
 def test_probe_passes_on_the_built_extension(so_copy):
     result = build_check.run_probe(so_copy)
     assert result.status == "ok", result.output
     assert "inputs hold 11 elements but out has only 10" in result.output
 
 
+@pytest.mark.packaging  # a child interpreter
 def test_probe_reports_a_child_killed_by_a_signal(so_copy, monkeypatch):
     monkeypatch.setenv(build_check.TEST_SIGNAL_ENV, "SIGSEGV")
     result = build_check.run_probe(so_copy)
@@ -90,6 +96,7 @@ def test_probe_reports_a_child_killed_by_a_signal(so_copy, monkeypatch):
     assert result.signal_name == "SIGSEGV"
 
 
+@pytest.mark.packaging  # a child interpreter
 def test_a_child_signalled_from_outside_is_not_a_crash(so_copy, monkeypatch, tmp_path):
     # SIGTERM/SIGKILL come from a preempted job or the OOM killer, not from a broken C++ runtime:
     # the extension stays available and nothing is cached.
@@ -102,6 +109,7 @@ def test_a_child_signalled_from_outside_is_not_a_crash(so_copy, monkeypatch, tmp
     assert not os.path.exists(build_check.cache_path(so_copy))
 
 
+@pytest.mark.packaging  # a child interpreter
 def test_crash_message_names_the_compiler_both_runtimes_and_the_cure(so_copy, fake_cxx, monkeypatch, tmp_path):
     cxx, fake_lib = fake_cxx
     monkeypatch.setenv(build_check.TEST_SIGNAL_ENV, "SIGSEGV")
@@ -261,7 +269,7 @@ def _crash_env(tmp_path, cxx):
     return env
 
 
-@pytest.mark.e2e
+@pytest.mark.packaging
 def test_loader_treats_a_crashing_extension_as_not_available(tmp_path, fake_cxx):
     _built_extension()
     cxx, _ = fake_cxx
@@ -300,7 +308,7 @@ def test_loader_treats_a_crashing_extension_as_not_available(tmp_path, fake_cxx)
     assert "1 failed" in proc.stdout and "SIGSEGV" in proc.stdout and cxx in proc.stdout
 
 
-@pytest.mark.e2e
+@pytest.mark.packaging
 def test_build_check_program_stops_a_crashing_build(so_copy, tmp_path, fake_cxx):
     cxx, _ = fake_cxx
     env = _crash_env(tmp_path, cxx)
@@ -486,7 +494,7 @@ def _import_from_elsewhere(python: str, cwd) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.e2e
+@pytest.mark.packaging
 def test_editable_install_needs_no_index(throwaway, fake_cxx):
     cxx, _ = fake_cxx
     copy, python = throwaway["copy"], throwaway["python"]
@@ -510,7 +518,7 @@ def test_editable_install_needs_no_index(throwaway, fake_cxx):
     assert _import_from_elsewhere(python, elsewhere) == str(so)
 
 
-@pytest.mark.e2e
+@pytest.mark.packaging
 def test_env_sh_with_the_system_python_works_offline(throwaway, fake_cxx):
     cxx, _ = fake_cxx
     copy, python = throwaway["copy"], throwaway["python"]
@@ -531,7 +539,7 @@ def test_env_sh_with_the_system_python_works_offline(throwaway, fake_cxx):
     assert proc.returncode == 0 and "[env] building" not in proc.stdout, proc.stdout
 
 
-@pytest.mark.e2e
+@pytest.mark.packaging
 def test_env_sh_stops_on_a_build_that_crashes_when_it_raises(throwaway, fake_cxx, tmp_path):
     """The build check after the build: a (simulated) crash stops env.sh with the compiler named."""
     cxx, _ = fake_cxx
