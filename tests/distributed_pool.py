@@ -1,7 +1,10 @@
 """A pool of gloo worker processes that runs many test cases.
 
 Starting torch in a process takes seconds on a 2-core machine, so each world
-size gets one pool for the whole pytest session. A case is a module-level
+size gets one pool for the whole pytest session, and every rank is forked from
+one server process that imported torch and megatron_fsdp once (multiprocessing's
+forkserver, PRELOADED): a pool starts in about the time of one import, and so
+does the fresh pool that replaces a broken one. A case is a module-level
 function; every rank runs it and the pool returns each rank's result, or
 raises with every failing rank's traceback. A case that hangs (a rank stuck in
 a collective) times out, the pool is torn down, and the next case gets a
@@ -24,6 +27,10 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
+
+# The pool's own group's timeout: a case whose peer raised fails in this time, not in the case's
+# timeout (helpers.setup_parallel gives a case's model-parallel groups the same).
+GROUP_TIMEOUT = timedelta(seconds=30)
 
 # Threads in a rank (it idles at about 30) above which the pool renews its ranks' process group
 # after a case, and above which, even then, the case has left something alive (_check_threads).
@@ -55,8 +62,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str]) -> None:
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: list[str],
+                 environ: dict[str, str]) -> None:
     sys.path[:] = sys_path
+    # The environment of the moment the pool starts, as a spawned process would get it (the fork
+    # server's own is that of the first pool's start).
+    os.environ.clear()
+    os.environ.update(environ)
     # A spawned process inherits "spawn" as its default start method; a process torchrun starts
     # has Linux's "fork", which is what a job's data loader workers get there (spawning them
     # pickles the dataset's index arrays into each: seconds per worker).
@@ -89,7 +101,7 @@ def init_pool_group(rank: int, world_size: int) -> None:
     """The pool's own default group of a rank, on the port MASTER_PORT names."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT)
 
 
 def agree_on_free_ports(count: int) -> list[int]:
@@ -145,10 +157,23 @@ def _reset_globals() -> None:
         copy_ops.disable_fsdp_copy_kernels()
 
 
+# What the fork server imports before it forks any rank: what every rank would import first.
+# NOTE: nothing here may start a thread or an OpenMP pool (a forked child gets no copy of them);
+# each rank sets its own thread count after the fork.
+PRELOADED = ["torch", "torch.distributed.nn", "torch.distributed.checkpoint", "torch._dynamo",
+             "megatron_fsdp.training.training", "megatron_fsdp.models.gpt", "helpers", "pretrain_in_pool"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOADED)  # read when the server starts: with the first pool
+    return ctx
+
+
 class WorkerPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = _free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
@@ -156,7 +181,8 @@ class WorkerPool:
             # Not daemonic: a case may start processes of its own (a pretrain() job's data loader
             # workers); close() ends the ranks, at the latest when this process exits.
             ctx.Process(target=_worker_main, daemon=False,
-                        args=(rank, world_size, port, self._tasks[rank], self._results, list(sys.path)))
+                        args=(rank, world_size, port, self._tasks[rank], self._results, list(sys.path),
+                              dict(os.environ)))
             for rank in range(world_size)
         ]
         for p in self._procs:

@@ -14,9 +14,33 @@ from megatron_fsdp.transformer import TransformerConfig
 FP32_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 
 
+# A pool case's model-parallel groups time out as the pool's own group does: a rank whose peer
+# raised fails in half a minute instead of Megatron's 30 (the case then fails by name).
+CASE_GROUP_TIMEOUT_MINUTES = 0.5
+
+
 def setup_parallel(tp: int = 1, seed: int = 1234, **kwargs) -> None:
+    kwargs.setdefault("distributed_timeout_minutes", CASE_GROUP_TIMEOUT_MINUTES)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, **kwargs)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def on_rank_zero(section, *args) -> None:
+    """`section(*args)` on rank 0 alone, then every rank goes on together. If it raises there,
+    every rank raises (the others would otherwise wait for rank 0 in their next collective until
+    the group's timeout)."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            section(*args)
+        except Exception as exc:  # noqa: BLE001  (told to the others, then raised here)
+            error = exc
+    told = [f"{type(error).__name__}: {error}" if error is not None else None]
+    dist.broadcast_object_list(told, src=0)
+    if error is not None:
+        raise error
+    if told[0] is not None:
+        raise RuntimeError(f"rank 0 failed in {getattr(section, '__name__', 'its section')}: {told[0]}")
 
 
 def make_config(**overrides) -> TransformerConfig:

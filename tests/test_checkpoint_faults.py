@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from helpers import full_params
+from helpers import full_params, on_rank_zero
 from megatron_fsdp.dist_checkpointing import checksums
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.training import checkpointing
@@ -146,12 +146,13 @@ def test_manifest_covers_every_file_and_is_written_before_publishing(tmp_path, m
 
 def _case_missing_load_dir(root, how):
     path = os.path.join(root, how)
-    if dist.get_rank() == 0:
+
+    def make_it():
         if how == "empty":
             os.makedirs(path, exist_ok=True)
         elif how == "file":
             open(path, "w").close()
-    dist.barrier()
+    on_rank_zero(make_it)
     model = nn.Linear(2, 2)
     fresh = load_checkpoint(model, None, None, path)
     assert fresh["iteration"] == 0 and fresh["path"] is None and path in fresh["missing"], fresh

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import full_params, make_config, setup_parallel
+from helpers import full_params, make_config, on_rank_zero, setup_parallel
 from megatron_fsdp import parallel_state
 from megatron_fsdp.dist_checkpointing import publish, torch_dcp
 from megatron_fsdp.training import checkpointing
@@ -137,11 +137,11 @@ def _case_crash_safety(ckpt):
     dist.barrier()  # every rank has looked before rank 0 fakes a killed save below
 
     # A process killed mid-save leaves only a temporary directory: still ignored.
-    if dist.get_rank() == 0:
+    def fake_a_killed_save():
         partial = os.path.join(ckpt, "iter_0000002.tmp-killed")
         os.makedirs(partial)
         open(os.path.join(partial, "__0_0.distcp"), "wb").write(b"\0" * 10)
-    dist.barrier()
+    on_rank_zero(fake_a_killed_save)
     assert load_checkpoint(model, optimizer, scheduler, ckpt)["iteration"] == 1
     got = full_params(model.module)
     for name in expected:
@@ -166,7 +166,7 @@ def _case_load_error(ckpt, case):
 
 
 def _case_damage(ckpt, how):
-    if dist.get_rank() == 0:
+    def damage():
         path = os.path.join(ckpt, "iter_0000003")
         if how == "truncate":
             shard = sorted(glob.glob(os.path.join(path, "*.distcp")))[0]
@@ -175,7 +175,7 @@ def _case_damage(ckpt, how):
                 f.truncate(size // 2)
         elif how == "tracker":
             open(os.path.join(ckpt, TRACKER), "w").write("7\n")
-    dist.barrier()
+    on_rank_zero(damage)
 
 
 @pytest.mark.parametrize("case,match", [

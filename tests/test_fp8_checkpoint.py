@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from helpers import full_tensor, make_config, rewrite_as_format_2, setup_parallel
+from helpers import full_tensor, make_config, on_rank_zero, rewrite_as_format_2, setup_parallel
 from megatron_fsdp import _torch_compat, parallel_state, tensor_parallel
 from megatron_fsdp.dist_checkpointing import torch_dcp
 from megatron_fsdp.fp8 import (
@@ -154,10 +154,10 @@ def _case_checkpoints(root):
     # A checkpoint of the older format: weights in DCP, the histories under common.pt's
     # "fp8" (made here from the plain checkpoint of the same state): resumes exactly too.
     older_dir = f"{root}/older"
-    if dist.get_rank() == 0:
+    def write_the_older_format():
         shutil.copytree(plain_dir, older_dir)
         rewrite_as_format_2(f"{older_dir}/iter_0000002", fp8=older_format_histories)
-    dist.barrier()
+    on_rank_zero(write_the_older_format)
     e, opt_e = _model(fp8=True, seed=5)
     load_checkpoint(e, opt_e, load_dir=older_dir, verify=False)  # common.pt is not in the manifest
     for name, roles in saved_histories.items():

@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from helpers import assert_close_dicts, full_params, full_tensor, make_config, setup_parallel, spoil_tensor_data
+from helpers import (assert_close_dicts, full_params, full_tensor, make_config, on_rank_zero, setup_parallel,
+                     spoil_tensor_data)
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -40,9 +40,9 @@ def _case_save(ckpt: str, tp: int, vocab_rows: int) -> None:
 def _case_schedule_checked_before_the_shards(ckpt: str) -> None:
     # Every tensor's bytes are spoiled: a check that came after reading (or checksumming) one
     # would fail otherwise.
-    if dist.get_rank() == 0:
+    def spoil():
         assert spoil_tensor_data(os.path.join(ckpt, "iter_0000001")) > 0
-    dist.barrier()
+    on_rank_zero(spoil)
     model, optimizer, _ = _build(2, 128)
     scheduler = _scheduler(optimizer, decay_steps=64)
     with pytest.raises(CheckpointError, match=r"the learning-rate schedule differs from the checkpoint's: "
