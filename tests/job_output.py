@@ -38,3 +38,23 @@ def assert_one_line_error(stderr: str, message: str, max_lines: int = 80, same_e
     assert stderr.count("Traceback (most recent call last)") <= 1, stderr[-5000:]  # torchrun's own
     assert len(stderr.splitlines()) <= max_lines, f"{len(stderr.splitlines())} lines:\n{stderr}"
     return rank
+
+
+def assert_one_line_error_in_pool(outcomes: list[tuple], message: str, same_everywhere: bool = True) -> int:
+    """A failed job run by the worker pool's ranks (pretrain_in_pool.run_job with `failing`: exit
+    code, stdout, stderr and error file of each rank): every rank exited with code 1, exactly one
+    printed `message` as the job's one-line error, no rank printed a traceback; each rank's error
+    file says what torchrun's summary would show: the line itself for the reporting rank, "the same
+    error as rank R" for the others (`same_everywhere`: every rank raised this very error). Returns
+    the reporting rank."""
+    assert [o[0] for o in outcomes] == [1] * len(outcomes), [(o[0], o[2][-2000:]) for o in outcomes]
+    lines = [(rank, m) for rank, o in enumerate(outcomes) for m in error_lines(o[2])]
+    assert len(lines) == 1, [o[2][-2000:] for o in outcomes]
+    ((rank, match),) = lines
+    assert int(match[2]) == rank and message in match[3], match[0]
+    assert not [o for o in outcomes if "Traceback (most recent call last)" in o[2]], [o[2][-3000:] for o in outcomes]
+    files = [o[3]["message"]["message"] if o[3] else None for o in outcomes]
+    assert files[rank] == match[3], files
+    if same_everywhere:
+        assert all(f == f"the same error as rank {rank}" for r, f in enumerate(files) if r != rank), files
+    return rank

@@ -3,10 +3,12 @@
 The pool's ranks have torch and megatron_fsdp imported already, so a short job
 costs its training alone, not four interpreter starts on two cores. For the
 checks about what pretrain() computes (losses, resumes, logs, checkpoint
-checks); what the launcher does (signals, exit codes, torchrun's messages)
-stays with the torchrun tests. Use as a pool case:
+checks, the one-line error a failed job prints and the error files torchrun
+would read); what the launcher itself does (signals, torchrun's summary) stays
+with the torchrun tests. Use as a pool case:
 
     outputs = pools(4).run(pretrain_gpt_job, argv)   # each rank's stdout, and its exit code
+    outputs = pools(2).run(pretrain_gpt_job, argv, True)   # a failing job: and stderr, error file
     outputs = pools(2).run(script_job, path)         # any script that brings its own process group
 
 pretrain() brings its own process group and ends it: the pool's group makes way
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import runpy
+import shutil
 import sys
+import tempfile
 
 import torch.distributed as dist
 
@@ -48,18 +53,47 @@ def own_process_group_job():
         os.environ["MASTER_PORT"] = saved_port
 
 
-def run_job(argv: list[str], main) -> tuple[int, str]:
-    """`main()` with sys.argv = argv in its own process group, stdout captured: (exit code, stdout)."""
+def run_job(argv: list[str], main, *, failing: bool = False) -> tuple:
+    """`main()` with sys.argv = argv in its own process group, stdout captured: (exit code, stdout).
+    `failing`: a job expected to fail, run as torchrun would run it (each rank with an error file,
+    TORCHELASTIC_ERROR_FILE): (exit code, stdout, stderr, the error file's JSON or None)."""
     saved_argv, sys.argv = sys.argv, argv
-    out, code = io.StringIO(), 0
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    error_file = os.path.join(tempfile.mkdtemp(prefix="job_error_"), "error.json") if failing else None
     try:
-        with own_process_group_job(), contextlib.redirect_stdout(out):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(own_process_group_job())
+            stack.enter_context(contextlib.redirect_stdout(out))
+            if failing:
+                stack.enter_context(contextlib.redirect_stderr(err))
+                stack.enter_context(_environment(TORCHELASTIC_ERROR_FILE=error_file))
             main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         sys.argv = saved_argv
-    return code, out.getvalue()
+    if not failing:
+        return code, out.getvalue()
+    written = None
+    if os.path.exists(error_file):
+        with open(error_file) as f:
+            written = json.load(f)
+    shutil.rmtree(os.path.dirname(error_file), ignore_errors=True)
+    return code, out.getvalue(), err.getvalue(), written
+
+
+@contextlib.contextmanager
+def _environment(**values):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def pretrain_gpt_module():
@@ -80,9 +114,10 @@ def pretrain_example(model_provider=None) -> None:
                           pretrain_gpt.forward_step)
 
 
-def pretrain_gpt_job(argv: list[str]) -> tuple[int, str]:
-    """Run `pretrain_gpt.py *argv` on every rank of the pool: (exit code, this rank's stdout)."""
-    return run_job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], pretrain_example)
+def pretrain_gpt_job(argv: list[str], failing: bool = False) -> tuple:
+    """Run `pretrain_gpt.py *argv` on every rank of the pool: (exit code, this rank's stdout); with
+    `failing`, also its stderr and error file (run_job)."""
+    return run_job([os.path.join(ROOT, "examples", "pretrain_gpt.py"), *argv], pretrain_example, failing=failing)
 
 
 def generate_gpt_job(argv: list[str]) -> tuple[int, str]:

@@ -12,13 +12,15 @@ every process group) while the ranks wait, then lets them go on. The script
 and the package are untouched: the fault wraps
 megatron_fsdp.training.training.train_step and the example's model_provider,
 for the job only (`injected`), so a worker pool's rank can run one as a case
-(`nan_fault_job`) and go on unpatched.
+(`nan_fault_job`; `signal_fault_job`, where rank 0 sends the signal) and go on
+unpatched.
 """
 
 import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +85,54 @@ def injected(fault: str, rank: int, at_iteration: int, seconds: float = 0.0, dir
         yield model_provider
     finally:
         training.train_step = original_train_step
+
+
+def _signal_from_rank_zero(directory: str, target: int, world_size: int, failures: list,
+                           timeout: float = 30.0) -> None:
+    """What the test does from outside under torchrun, done by a thread of rank 0: once every rank
+    waits after the fault's iteration, SIGTERM to rank `target`'s process; once its handler saw
+    it, every rank goes on (they go on after a failure here too, which lands in `failures`)."""
+    def wait_for(path):
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {path} after {timeout} s")
+            time.sleep(0.05)
+
+    try:
+        for rank in range(world_size):
+            wait_for(os.path.join(directory, f"pid_{rank}"))
+        with open(os.path.join(directory, f"pid_{target}")) as f:
+            os.kill(int(f.read()), signal.SIGTERM)
+        wait_for(os.path.join(directory, f"received_{target}"))
+    except Exception as exc:  # noqa: BLE001  (raised by the job's thread: signal_fault_job)
+        failures.append(exc)
+    finally:
+        open(os.path.join(directory, "go"), "w").close()
+
+
+def signal_fault_job(argv: list[str], target: int, iteration: int, directory: str) -> tuple[int, str]:
+    """A worker pool case: every rank waits after `iteration`'s step (the "signal" fault) while
+    rank 0 sends SIGTERM to rank `target`, then they go on: (exit code, stdout)."""
+    failures = []
+
+    def main():
+        with injected("signal", 0, iteration, directory=directory) as model_provider:
+            signaller = None
+            if int(os.environ["RANK"]) == 0:
+                signaller = threading.Thread(target=_signal_from_rank_zero, daemon=True, args=(
+                    directory, target, int(os.environ["WORLD_SIZE"]), failures))
+                signaller.start()
+            try:
+                pretrain_example(model_provider)
+            finally:
+                if signaller is not None:
+                    signaller.join(timeout=5)
+
+    outcome = run_job([os.path.join(ROOT, "tests", "pretrain_with_faults.py"), *argv], main)
+    if failures:
+        raise failures[0]
+    return outcome
 
 
 def nan_fault_job(argv: list[str], rank: int, iteration: int) -> tuple[int, str]:

@@ -43,13 +43,6 @@ def run(*args, check=True):
     return proc
 
 
-def run_cli(*args):
-    proc = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"preprocess_data failed ({proc.returncode}):\n{proc.stderr}")
-    return proc
-
-
 def read(prefix):
     ds = IndexedDataset(prefix)
     return [ds[i].tolist() for i in range(len(ds))], ds.document_indices.tolist(), ds.index.dtype
@@ -77,7 +70,6 @@ def test_null_tokenizer_end_to_end(tmp_path):
     assert "Processed 2 documents (" in proc.stderr and "docs/s" in proc.stderr and "MB/s)." in proc.stderr
 
 
-@pytest.mark.e2e
 def test_gpt2_end_to_end_and_workers_give_identical_bytes(tmp_path):
     vocab, merges = tiny_gpt2_files(tmp_path)
     # "meta" is not tokenized: its raw U+2028 only checks that lines are not split there.
@@ -87,9 +79,9 @@ def test_gpt2_end_to_end_and_workers_give_identical_bytes(tmp_path):
     outputs = []
     for workers in ("1", "2"):
         prefix = str(tmp_path / f"w{workers}")
-        run_cli("--input", src, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
-                "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", workers,
-                "--json-keys", "text", "other")
+        run("--input", src, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", workers,
+            "--json-keys", "text", "other")
         outputs.append({f"{key}.{ext}": open(f"{prefix}_{key}_document.{ext}", "rb").read()
                         for key in ("text", "other") for ext in ("bin", "idx")})
     assert outputs[0] == outputs[1]

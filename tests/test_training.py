@@ -1,20 +1,19 @@
 """megatron_fsdp.training.pretrain through examples/pretrain_gpt.py: TensorBoard scalars
 with Megatron's names, TFLOP/s equal to Megatron's formula, and a resume at another
-data-parallel size that continues with the same samples. The jobs run in the worker
-pool (tests/pretrain_in_pool.py); the errors a user sees, through torchrun."""
+data-parallel size that continues with the same samples, and the one-line errors of jobs
+that must stop. The jobs run in the worker pool (tests/pretrain_in_pool.py): torchrun's own
+part of an error is tests/test_training_faults.py's."""
 
 import importlib.util
 import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from helpers import spoil_tensor_data
-from job_output import assert_one_line_error, error_lines
+from job_output import assert_one_line_error_in_pool, error_lines
 from pretrain_in_pool import pretrain_gpt_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,17 +125,19 @@ def test_resume_at_another_data_parallel_size_reads_the_same_samples(reference, 
         assert float(got[iteration][6]) == pytest.approx(float(rows[iteration][6]), rel=2e-5)
 
 
-@pytest.mark.e2e
-def test_resume_with_other_model_flags_is_refused_before_loading(reference):
+def _failing(pools, nproc: int, *args: str) -> list[tuple]:
+    """A job that must fail, on `nproc` ranks of the worker pool: each rank's exit code, stdout,
+    stderr and torchrun error file (the one-line error's checks: job_output)."""
+    return pools(nproc).run(pretrain_gpt_job, [*MODEL, *RUN, *args], True, timeout=400)
+
+
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_resume_with_other_model_flags_is_refused_before_loading(reference, pools):
     """A different --hidden-size changes the weights' shapes: the error names the flag (from the
     checkpoint's recorded flags), not a shape mismatch deep in the loader, on every rank."""
     tmp, _, _ = reference
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN,
-                           "--hidden-size", "64", "--load", str(tmp / "ckpt"), "--eval-iters", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 1
-    assert_one_line_error(proc.stderr, "saved with other model flags: --hidden-size 48 (now 64)")
+    outcomes = _failing(pools, 2, "--hidden-size", "64", "--load", str(tmp / "ckpt"), "--eval-iters", "0")
+    assert_one_line_error_in_pool(outcomes, "saved with other model flags: --hidden-size 48 (now 64)")
 
 
 def _checkpoint_at_iteration_3(reference, tmp_path) -> str:
@@ -149,23 +150,19 @@ def _checkpoint_at_iteration_3(reference, tmp_path) -> str:
     return ckpt
 
 
-@pytest.mark.e2e
-def test_a_changed_schedule_is_refused_before_any_tensor_is_read(reference, tmp_path):
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_a_changed_schedule_is_refused_before_any_tensor_is_read(reference, tmp_path, pools):
     """--train-iters 8 where the checkpoint's run had 6 (a longer decay) without
     --override-opt-param-scheduler or --use-checkpoint-opt-param-scheduler: the error comes from
     the checkpoint's non-tensor entries alone. Every tensor's bytes are spoiled here, so reading
     (or checksumming) any of them first would fail differently."""
     ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
     assert spoil_tensor_data(os.path.join(ckpt, "iter_0000003")) > 0
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                           os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, *RUN,
-                           "--train-iters", "8", "--load", ckpt, "--eval-iters", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 1
-    assert_one_line_error(proc.stderr, "the learning-rate schedule differs from the checkpoint's: "
-                          "OptimizerParamScheduler: this run's lr_decay_steps (total number of iterations) is 64 but "
-                          "the checkpoint's is 48")
-    assert "--override-opt-param-scheduler" in error_lines(proc.stderr)[0][3]
+    outcomes = _failing(pools, 1, "--train-iters", "8", "--load", ckpt, "--eval-iters", "0")
+    assert_one_line_error_in_pool(outcomes, "the learning-rate schedule differs from the checkpoint's: "
+                                  "OptimizerParamScheduler: this run's lr_decay_steps (total number of iterations) is "
+                                  "64 but the checkpoint's is 48")
+    assert "--override-opt-param-scheduler" in error_lines(outcomes[0][2])[0][3]
 
 
 @pytest.mark.slow  # a pretrain() job in the worker pool
@@ -235,8 +232,8 @@ def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision, t
         assert runs["offloaded"] == runs["sharded"]
 
 
-@pytest.mark.e2e
-def test_token_ids_beyond_the_vocabulary_stop_every_rank_before_training(tmp_path):
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_token_ids_beyond_the_vocabulary_stop_every_rank_before_training(tmp_path, pools):
     """Data tokenized with a larger vocabulary than --vocab-size: one clear error naming the
     file, on every rank, before the first iteration."""
     import numpy
@@ -251,13 +248,10 @@ def test_token_ids_beyond_the_vocabulary_stop_every_rank_before_training(tmp_pat
         builder.add_item(torch.randint(0, 100, (40,), generator=g))  # ids up to 99
         builder.end_document()
     builder.finalize(prefix + ".idx")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         os.path.join(ROOT, "examples", "pretrain_gpt.py"), *MODEL, "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2", "--data-path", prefix,
-         "--split", "80,10,10", "--vocab-size", "50", "--eval-iters", "1", "--data-cache-path",
-         str(tmp_path / "cache")], cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 1
-    assert "iteration        1/" not in proc.stdout + proc.stderr
-    assert_one_line_error(proc.stderr, "corpus_text_document")
-    assert "50" in error_lines(proc.stderr)[0][3]
+    outcomes = pools(2).run(pretrain_gpt_job, [
+        *MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2",
+        "--data-path", prefix, "--split", "80,10,10", "--vocab-size", "50", "--eval-iters", "1",
+        "--data-cache-path", str(tmp_path / "cache")], True, timeout=400)
+    assert not [o for o in outcomes if "iteration        1/" in o[1] + o[2]]
+    rank = assert_one_line_error_in_pool(outcomes, "corpus_text_document")
+    assert "50" in error_lines(outcomes[rank][2])[0][3]

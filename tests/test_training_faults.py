@@ -97,11 +97,38 @@ def _saved_files(ckpt: str, iteration: int) -> dict:
     return {name: entry for name, entry in files.items() if name != ".metadata"}
 
 
+def _assert_saved_like_the_uninterrupted_run(stdout: str, ckpt: str, reference) -> None:
+    """Every rank stopped after iteration 3 with the uninterrupted run's losses, and its checkpoint
+    is byte for byte the one that run saved at iteration 3 (weights, optimizer, RNG states,
+    consumed samples): what resumes from one resumes from the other."""
+    assert "exiting after iteration 3: a rank received SIGTERM" in stdout
+    losses, reference_ckpt = reference
+    assert _tracker(ckpt) == "3"
+    assert _losses(stdout) == {k: v for k, v in losses.items() if k <= 3}
+    assert _saved_files(ckpt, 3) == _saved_files(reference_ckpt, 3)
+
+
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_sigterm_to_one_rank_saves_and_every_rank_exits_zero(tmp_path, reference, pools):
+    """--exit-signal-handler with data loader worker processes (--num-workers 2), the job on the
+    worker pool's ranks: rank 0 sends SIGTERM to rank 1 alone while both wait after iteration 3's
+    step. Every rank saves after the same iteration and exits 0 (torchrun's part, and a signal from
+    outside the job: the test below)."""
+    from pretrain_with_faults import signal_fault_job
+
+    ckpt, faults = str(tmp_path / "ckpt"), tmp_path / "faults"
+    faults.mkdir()
+    outcomes = pools(NPROC).run(signal_fault_job, [*FLAGS, "--num-workers", "2", "--train-iters", "6",
+                                                   "--exit-signal-handler", "--save", ckpt], 1, 3, str(faults),
+                                timeout=400)
+    stdout = "".join(out for _, out in outcomes)
+    assert [code for code, _ in outcomes] == [0] * NPROC, stdout[-3000:]
+    assert sorted(p.name for p in faults.iterdir()) == ["go", "pid_0", "pid_1", "received_1"]
+    _assert_saved_like_the_uninterrupted_run(stdout, ckpt, reference)
+
+
 def _signal_job(mode: str, pids: dict[int, int], launcher: int) -> list[int]:
     """Send SIGTERM the way `mode` says; return the ranks whose handler must see it."""
-    if mode == "one rank":
-        os.kill(pids[1], signal.SIGTERM)
-        return [1]
     if mode == "torchrun":  # torchrun forwards it to each worker's process group
         os.kill(launcher, signal.SIGTERM)
     else:  # "every process group": each rank with its data loader workers, and torchrun (SLURM, Kubernetes)
@@ -120,15 +147,16 @@ def _wait_for(paths: list[str], proc: subprocess.Popen, timeout: float) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["one rank", "torchrun", "every process group"])
+@pytest.mark.parametrize("mode", ["torchrun", "every process group"])
 def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path, reference, mode, pools):
-    """--exit-signal-handler with data loader worker processes (--num-workers 2): SIGTERM to one
-    rank, to torchrun (which forwards it to each worker's process group, then waits
+    """--exit-signal-handler with data loader worker processes (--num-workers 2), under torchrun:
+    SIGTERM to torchrun (which forwards it to each worker's process group, then waits
     --shutdown-timeout before SIGKILL), or to every process group at once (the workers' data
     loader processes included, as SLURM and Kubernetes do). Every rank saves after the same
     iteration and exits 0 (torchrun, signalled itself, exits 1 with its SignalException); the
-    checkpoint is the uninterrupted run's, and --load resumes with that run's losses."""
-    if mode != "one rank" and _torch_compat.torch_version() < (2, 12):
+    checkpoint is the uninterrupted run's, and --load resumes with that run's losses. (SIGTERM to
+    one rank: the test above.)"""
+    if _torch_compat.torch_version() < (2, 12):
         pytest.skip("torchrun's grace period before SIGKILL is a fixed 30 s on torch 2.11: a timing test "
                     "on a loaded machine (TORCH_ELASTIC_SHUTDOWN_TIMEOUT exists from 2.12)")
     ckpt, faults = str(tmp_path / "ckpt"), tmp_path / "faults"
@@ -165,17 +193,11 @@ def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path,
     exits = {r: (faults / f"exit_{r}").read_text() if (faults / f"exit_{r}").exists() else "killed"
              for r in range(NPROC)}
     assert exits == {r: "0" for r in range(NPROC)}, f"rank exit codes {exits}\n{stderr[-4000:]}"
-    assert proc.returncode == (0 if mode == "one rank" else 1), stderr[-3000:]
+    assert proc.returncode == 1, stderr[-3000:]
     assert "DataLoader worker" not in stderr and "forcefully exiting" not in stderr, stderr[-4000:]
-    assert "exiting after iteration 3: a rank received SIGTERM" in stdout
-    losses, reference_ckpt = reference
-    assert _tracker(ckpt) == "3"
-    assert _losses(stdout) == {k: v for k, v in losses.items() if k <= 3}
-    # Byte for byte the checkpoint the uninterrupted run saved at iteration 3 (weights, optimizer,
-    # RNG states, consumed samples), so what resumes from one resumes from the other; one mode
-    # resumes for real.
-    assert _saved_files(ckpt, 3) == _saved_files(reference_ckpt, 3)
-    if mode == "every process group":
+    _assert_saved_like_the_uninterrupted_run(stdout, ckpt, reference)
+    if mode == "every process group":  # one mode resumes for real
+        losses, _ = reference
         resumed = _pretrain_in_pool(pools, "--train-iters", "6", "--num-workers", "2", "--load", ckpt)
         assert _losses(resumed) == {k: v for k, v in losses.items() if k > 3}
 
