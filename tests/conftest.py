@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from distributed_pool import WorkerPool  # noqa: E402
+from pretrain_in_pool import MOCK_INDEX_CACHE_ENV  # noqa: E402
 
 
 class _Pools:
@@ -64,6 +65,15 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_mock_indices(tmp_path_factory):
+    """The session's index cache for the pool's --mock-data jobs (pretrain_in_pool.with_shared_mock_indices),
+    in the environment before any pool starts: every rank gets it."""
+    os.environ[MOCK_INDEX_CACHE_ENV] = str(tmp_path_factory.mktemp("mock_indices"))
+    yield
+    os.environ.pop(MOCK_INDEX_CACHE_ENV, None)
 
 
 @pytest.fixture(scope="session")

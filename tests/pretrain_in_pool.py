@@ -57,7 +57,7 @@ def run_job(argv: list[str], main, *, failing: bool = False) -> tuple:
     """`main()` with sys.argv = argv in its own process group, stdout captured: (exit code, stdout).
     `failing`: a job expected to fail, run as torchrun would run it (each rank with an error file,
     TORCHELASTIC_ERROR_FILE): (exit code, stdout, stderr, the error file's JSON or None)."""
-    saved_argv, sys.argv = sys.argv, argv
+    saved_argv, sys.argv = sys.argv, with_shared_mock_indices(argv)
     out, err, code = io.StringIO(), io.StringIO(), 0
     error_file = os.path.join(tempfile.mkdtemp(prefix="job_error_"), "error.json") if failing else None
     try:
@@ -80,6 +80,22 @@ def run_job(argv: list[str], main, *, failing: bool = False) -> tuple:
             written = json.load(f)
     shutil.rmtree(os.path.dirname(error_file), ignore_errors=True)
     return code, out.getvalue(), err.getvalue(), written
+
+
+# Where --mock-data jobs of the session keep their indices (conftest.py sets it for the session).
+MOCK_INDEX_CACHE_ENV = "MEGATRON_FSDP_TEST_MOCK_INDEX_CACHE"
+
+
+def with_shared_mock_indices(argv: list[str]) -> list[str]:
+    """`argv`, with --data-cache-path set to the session's directory for a --mock-data job that
+    names none. Megatron's mock corpus is 100000 sequences: at the tests' short sequences its
+    indices hold millions of samples, about 0.7 s per rank per job to build; the jobs of one
+    configuration build them once (rank 0 first, as with any cache) and the others load the
+    same bytes."""
+    cache = os.environ.get(MOCK_INDEX_CACHE_ENV)
+    if cache and "--mock-data" in argv and "--data-cache-path" not in argv:
+        return [*argv, "--data-cache-path", cache]
+    return argv
 
 
 @contextlib.contextmanager

@@ -43,24 +43,24 @@ def _run(*extra_args: str) -> tuple[list[tuple[int, float, float]], str, int, li
 @pytest.mark.e2e
 def test_readme_pretraining_command_trains_and_resumes(tmp_path, pools):
     ckpt = str(tmp_path / "ckpt")
-    rows, out, nproc, flags = _run("--train-iters", "16", "--log-interval", "4", "--save", ckpt, "--save-interval", "8")
+    rows, out, nproc, flags = _run("--train-iters", "8", "--log-interval", "2", "--save", ckpt, "--save-interval", "4")
     assert "tensor-parallel 2 x data-parallel 2" in out
     assert "> FSDP2 copy ops: megatron_fsdp's kernels" in out  # on by default in pretrain(), and said so
-    assert [r[0] for r in rows] == [4, 8, 12, 16], rows
+    assert [r[0] for r in rows] == [2, 4, 6, 8], rows
     losses = [r[1] for r in rows]
     assert losses[-1] < losses[0] - 0.5, f"loss did not go down: {losses}"
     assert all(r[2] > 0 for r in rows)
 
-    # Pretend the run stopped after iteration 8: resuming with the command's flags reproduces
-    # 9..16 exactly. (What a resume computes: pretrain() on the worker pool's ranks, not another
+    # Pretend the run stopped after iteration 4: resuming with the command's flags reproduces
+    # 5..8 exactly. (What a resume computes: pretrain() on the worker pool's ranks, not another
     # launch; the launcher ran above.)
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("8\n")
-    outcomes = pools(nproc).run(pretrain_gpt_job, [*flags, "--train-iters", "16", "--log-interval", "4",
+        f.write("4\n")
+    outcomes = pools(nproc).run(pretrain_gpt_job, [*flags, "--train-iters", "8", "--log-interval", "2",
                                                    "--load", ckpt], timeout=400)
     out = "".join(text for _, text in outcomes)
     assert [code for code, _ in outcomes] == [0] * nproc, out[-3000:]
-    assert "loaded checkpoint" in out and "at iteration 8" in out
+    assert "loaded checkpoint" in out and "at iteration 4" in out
     resumed = _rows(out)
     assert resumed == rows[2:], f"resumed {resumed} != uninterrupted {rows[2:]}"
 

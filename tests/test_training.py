@@ -218,7 +218,7 @@ def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision, t
         arms.append(("offloaded", ["--use-torch-fsdp2", "--optimizer-cpu-offload"]))
     for name, flags in arms:
         argv = [*MODEL, *[f for f in RUN if f != "--use-torch-fsdp2"], "--tensor-model-parallel-size", str(tp),
-                *precision, "--eval-iters", "0", *flags]
+                *precision, "--eval-iters", "0", "--train-iters", "3", *flags]
         outcomes = pools(2 * tp).run(pretrain_gpt_job, argv, timeout=400)
         assert all(code == 0 for code, _ in outcomes), outcomes[0][1][-3000:]
         out = "".join(text for _, text in outcomes)
@@ -226,7 +226,7 @@ def test_replicated_and_sharded_runs_differ_only_by_sharding(pools, precision, t
         assert f"> data parallel: FSDP2, parameters {word} 2 rank(s)" in out, out[-3000:]
         assert ("optimizer state in CPU memory" in out) == (name == "offloaded")
         runs[name] = {int(m[1]): float(m[6]) for m in map(LINE.search, out.splitlines()) if m}
-    assert sorted(runs["replicated"]) == [1, 2, 3, 4, 5, 6]
+    assert sorted(runs["replicated"]) == [1, 2, 3]
     assert runs["replicated"] == pytest.approx(runs["sharded"], rel=1e-4)
     if "offloaded" in runs:
         assert runs["offloaded"] == runs["sharded"]

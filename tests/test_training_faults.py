@@ -17,7 +17,7 @@ import time
 import pytest
 
 from job_output import assert_one_line_error, error_lines
-from pretrain_in_pool import pretrain_gpt_job
+from pretrain_in_pool import pretrain_gpt_job, with_shared_mock_indices
 from pretrain_with_faults import nan_fault_job
 
 from megatron_fsdp import _torch_compat
@@ -35,7 +35,7 @@ def _run(script: str, *args: str, fault: dict | None = None, timeout: float = 24
     env = dict(os.environ, **{k: str(v) for k, v in (fault or {}).items()})
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
-                           os.path.join(ROOT, script), *FLAGS, *args],
+                           os.path.join(ROOT, script), *with_shared_mock_indices([*FLAGS, *args])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
 
@@ -169,9 +169,9 @@ def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path,
         # Its own session: killpg(torchrun) reaches torchrun alone (its workers have their own).
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
                                  os.path.join(ROOT, "tests", "record_exit_code.py"),
-                                 os.path.join(ROOT, "tests", "pretrain_with_faults.py"), *FLAGS,
-                                 "--num-workers", "2", "--train-iters", "6", "--exit-signal-handler",
-                                 "--save", ckpt],
+                                 os.path.join(ROOT, "tests", "pretrain_with_faults.py"),
+                                 *with_shared_mock_indices([*FLAGS, "--num-workers", "2", "--train-iters", "6",
+                                                            "--exit-signal-handler", "--save", ckpt])],
                                 cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
             _wait_for([str(faults / f"pid_{r}") for r in range(NPROC)], proc, timeout=400)
