@@ -9,9 +9,10 @@ shutdown, and then a normal interpreter exit, where the abort this guards
 against happens. `--no-barrier` ends the way scripts did before
 shutdown_distributed (destroy the process group straight away), to show that
 the check can fail. `--fail-rank R` makes rank R raise after training while
-the others wait for it in a collective: every process must still end
-promptly, and R's log must hold its own error. Prints one JSON line: the
-exit status (and, for a failure, the log tail) of every process.
+the others wait for it in a collective (from cycle `--fail-from-cycle` on):
+every process must still end promptly, and R's log must hold its own error.
+Prints one JSON line: the exit status (and, for a failure, the log tail) of
+every process, and the seconds its cycle took.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--no-barrier", action="store_true")
     p.add_argument("--fail-rank", type=int, default=-1, help="this rank raises after training")
+    p.add_argument("--fail-from-cycle", type=int, default=0, help="the first cycle where --fail-rank raises")
     args = p.parse_args()
     log_dir = tempfile.mkdtemp(prefix="shutdown_cycles_")
     port = _free_port()
@@ -97,6 +99,8 @@ def main() -> None:
     gc.freeze()
     statuses = []
     for cycle in range(args.cycles):
+        fail_rank = args.fail_rank if cycle >= args.fail_from_cycle else -1
+        start = time.monotonic()
         children = {}
         for rank in range(args.world_size):
             log = os.path.join(log_dir, f"cycle{cycle}_rank{rank}.log")
@@ -107,7 +111,7 @@ def main() -> None:
                 os.dup2(fd, 2)
                 code = 0
                 try:
-                    one_job(rank, args.world_size, port, cycle, barrier=not args.no_barrier, fail_rank=args.fail_rank)
+                    one_job(rank, args.world_size, port, cycle, barrier=not args.no_barrier, fail_rank=fail_rank)
                 except BaseException:
                     import traceback
                     traceback.print_exc()
@@ -123,6 +127,8 @@ def main() -> None:
                 tail = f.read()[-2000:]
             statuses.append({"cycle": cycle, "rank": rank, "exit": code,
                              "log": tail if code != 0 or "terminate called" in tail else ""})
+        for status in statuses[-args.world_size:]:
+            status["cycle_seconds"] = time.monotonic() - start
     os.kill(store_host, signal.SIGKILL)
     os.waitpid(store_host, 0)
     print(json.dumps({"statuses": statuses, "log_dir": log_dir}))

@@ -75,8 +75,17 @@ def _case_parity(tp: int, sequence_parallel: bool, variant: str, masked: bool = 
                                ref_loss.detach(), **FP32_TOLERANCE)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True), (4, False), (4, True)])
+def _pairwise() -> list[tuple[int, bool, str]]:
+    """(tp, sequence_parallel, variant): every variant at TP 1, 2 and 4, with and without sequence
+    parallelism, and every (TP, sequence parallelism) pair: each pair of the three factors is
+    covered, in 12 cases instead of the 20 of the whole grid."""
+    cases = []
+    for i, variant in enumerate(VARIANTS):
+        cases += [(1, False, variant), (2, i % 2 == 1, variant), (4, i % 2 == 0, variant)]
+    return cases
+
+
+@pytest.mark.parametrize("tp,sequence_parallel,variant", _pairwise())
 def test_gpt_matches_dense_reference(pools, tp, sequence_parallel, variant):
     pools(4).run(_case_parity, tp, sequence_parallel, variant)
 
