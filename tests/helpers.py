@@ -9,6 +9,19 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.transformer import TransformerConfig
 
+def tiered(values, fast) -> list:
+    """pytest.mark.parametrize's `values`, each one not in `fast` marked slow: a grid whose
+    representatives run in the fast loop (-m "not e2e and not slow") and the rest in the default
+    suite (README, Tests)."""
+    import pytest
+
+    fast = list(fast)
+    unknown = [v for v in fast if v not in values]
+    assert not unknown, f"tiered: {unknown} are not among the values {values}"
+    return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]
+
+
 # Summation order differs between TP sizes; fp32 agreement to ~1e-5 relative
 # is what reordering alone gives, while a real bug is off by orders more.
 FP32_TOLERANCE = dict(rtol=1e-4, atol=1e-5)

@@ -36,6 +36,7 @@ def _hf_dir(tmp_path, name, **save_kwargs):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama3"])
+@pytest.mark.slow  # pool cases; HF's representative: test_hf_interchange.py
 def test_hf_to_ours_gives_the_hf_logits_at_tp_1_and_2_and_converts_back_exactly(pools, tmp_path, name):
     hf_model, hf_dir = _hf_dir(tmp_path, name)
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
@@ -61,6 +62,7 @@ def test_hf_to_ours_gives_the_hf_logits_at_tp_1_and_2_and_converts_back_exactly(
         torch.testing.assert_close(reloaded(ids).logits, expected, atol=0, rtol=0)
 
 
+@pytest.mark.slow  # several conversions; HF's representative: test_hf_interchange.py
 def test_sharded_hf_directories_both_ways_and_saver_dtype(tmp_path):
     hf_model, hf_dir = _hf_dir(tmp_path, "llama", max_shard_size="40KB")
     assert os.path.isfile(os.path.join(hf_dir, "model.safetensors.index.json"))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from helpers import tiered
 from megatron_fsdp.dist_checkpointing import checksums, entries, torch_dcp
 from megatron_fsdp.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -206,7 +207,8 @@ def _case_format_3_fc1(ckpt, tp, fsdp, save_to):
     return sorted(state.get("main_params", {}))
 
 
-@pytest.mark.parametrize("world_size,tp,fsdp", [(1, 1, False), (2, 2, False), (4, 2, True)])
+@pytest.mark.parametrize("world_size,tp,fsdp", tiered([(1, 1, False), (2, 2, False), (4, 2, True)],
+                                                    [(1, 1, False), (2, 2, False)]))
 def test_format_3_checkpoint_with_interleaved_fc1_loads_converted(pools, tmp_path, world_size, tp, fsdp):
     ckpt = str(tmp_path / "v3")
     shutil.copytree(FIXTURE_V3, ckpt)

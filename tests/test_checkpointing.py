@@ -92,9 +92,9 @@ def trained_checkpoint(pools, tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size,tp,fsdp", [
-    (4, 2, True),    # the saved layout: bit-identical continuation
+    pytest.param(4, 2, True, marks=pytest.mark.slow),    # the saved layout: bit-identical continuation
     (2, 1, True),    # TP=1 x DP=2
-    (4, 4, True),    # TP=4 x DP=1
+    pytest.param(4, 4, True, marks=pytest.mark.slow),    # TP=4 x DP=1
     (1, 1, False),   # one process, no FSDP
 ])
 def test_resume_matches_uninterrupted_run(pools, trained_checkpoint, world_size, tp, fsdp):
@@ -153,6 +153,7 @@ def _case_crash_safety(ckpt):
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "iter_0000003", TRACKER]
 
 
+@pytest.mark.slow  # a pool case
 def test_interrupted_save_keeps_previous_checkpoint(pools, tmp_path):
     pools(4).run(_case_crash_safety, str(tmp_path))
 

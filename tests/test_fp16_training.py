@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from helpers import full_params, make_config, setup_parallel
+from helpers import full_params, make_config, setup_parallel, tiered
 from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.models.gpt import GPTModel
@@ -169,7 +169,8 @@ def _case_overflow_on_one_rank_skips_everywhere(tp, fsdp, grad_reduce_in_fp32):
     return sorted(str(d) for d in grad_dtypes), optimizer.get_loss_scale().item()
 
 
-@pytest.mark.parametrize("tp,fsdp,grad_reduce_in_fp32", [(1, True, False), (2, True, True), (2, False, False)])
+@pytest.mark.parametrize("tp,fsdp,grad_reduce_in_fp32", tiered([(1, True, False), (2, True, True), (2, False, False)],
+                                                            [(1, True, False)]))
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(pools, tp, fsdp, grad_reduce_in_fp32):
     results = pools(4).run(_case_overflow_on_one_rank_skips_everywhere, tp, fsdp, grad_reduce_in_fp32)
     assert len({repr(r) for r in results}) == 1, f"ranks disagree: {results}"
@@ -211,5 +212,6 @@ def _case_fp16_tracks_fp32(tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.slow  # pool cases; fp16's representative: the overflow case above
 def test_fp16_fsdp_loss_tracks_fp32(pools, tp):
     pools(4).run(_case_fp16_tracks_fp32, tp)

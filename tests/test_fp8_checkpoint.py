@@ -5,6 +5,7 @@ saved and loaded with training.checkpointing."""
 import os
 import shutil
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -166,5 +167,6 @@ def _case_checkpoints(root):
     assert _step(e, opt_e, 2) == uninterrupted_loss
 
 
+@pytest.mark.slow  # a pool case of several saves
 def test_fp8_checkpoints_resume_with_and_without_fp8(pools, tmp_path):
     pools(4).run(_case_checkpoints, str(tmp_path), timeout=300)

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import reference_gpt
-from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel
+from helpers import FP32_TOLERANCE, assert_close_dicts, full_params, make_config, setup_parallel, tiered
 from megatron_fsdp import _torch_compat, parallel_state
 from megatron_fsdp.distributed import (
     TorchFullyShardedDataParallel,
@@ -131,17 +131,19 @@ def _case_training_parity(layout, model_name, meta=False, bf16=False):
     return initial
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# ZeRO-3, TP x FSDP with sequence parallelism and HSDP in the fast loop; the other layouts in the suite.
+@pytest.mark.parametrize("layout", tiered(list(LAYOUTS), ["dp4_zero3", "tp2_dp2_sequence_parallel", "hsdp_2x2"]))
 def test_training_matches_dense_reference(pools, layout):
     pools(LAYOUTS[layout][0]).run(_case_training_parity, layout, "plain")
 
 
-@pytest.mark.parametrize("model_name", ["uneven", "tied_rope", "recompute"])
-@pytest.mark.parametrize("layout", ["dp4_zero3", "tp2_dp2_sequence_parallel"])
+@pytest.mark.parametrize("model_name", tiered(["uneven", "tied_rope", "recompute"], ["uneven"]))
+@pytest.mark.parametrize("layout", tiered(["dp4_zero3", "tp2_dp2_sequence_parallel"], ["dp4_zero3"]))
 def test_training_matches_for_uneven_and_tied_models(pools, layout, model_name):
     pools(4).run(_case_training_parity, layout, model_name)
 
 
+@pytest.mark.slow  # a grid of pool cases; a representative runs in the fast loop
 def test_bf16_training_matches_within_bf16_precision(pools):
     pools(4).run(_case_training_parity, "tp2_dp2_sequence_parallel", "plain", bf16=True)
 
@@ -246,6 +248,7 @@ def _case_meta_device_init(layout, model_name):
 
 
 @pytest.mark.parametrize("layout,model_name", [("dp4_zero3", "tied_rope"), ("tp2_dp2_sequence_parallel", "uneven")])
+@pytest.mark.slow  # pool cases; meta init's representative: test_fully_shard.py
 def test_meta_device_init_is_the_same_at_every_layout(pools, layout, model_name):
     pools(4).run(_case_meta_device_init, layout, model_name)
 
@@ -390,7 +393,7 @@ def _case_gradient_accumulation(tp, mode, bf16=False, microbatches=3):
     return got
 
 
-@pytest.mark.parametrize("tp,bf16", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("tp,bf16", tiered([(1, False), (2, False), (2, True)], [(1, False)]))
 def test_gradient_accumulation_modes_agree_with_the_reference(pools, tp, bf16):
     sharded = pools(4).run(_case_gradient_accumulation, tp, "sharded", bf16)[0]
     unsharded = pools(4).run(_case_gradient_accumulation, tp, "unsharded", bf16)[0]
@@ -416,6 +419,7 @@ def _case_abandoned_accumulation(mode):
 
 
 @pytest.mark.parametrize("mode", list(ACCUMULATION_MODES))
+@pytest.mark.slow  # pool cases; accumulation's representative: above
 def test_zero_grad_buffer_drops_abandoned_accumulation(pools, mode):
     pools(4).run(_case_abandoned_accumulation, mode)
 
@@ -455,6 +459,7 @@ def _case_helpers():
     assert wrapped.state_dict_for_save_checkpoint().keys() == state.keys()
 
 
+@pytest.mark.slow  # a pool case
 def test_megatron_interface_helpers(pools):
     pools(4).run(_case_helpers)
 
@@ -481,6 +486,7 @@ def _case_gloo_sum_reduction():
     assert_close_dicts(summed, {n: g * dist.get_world_size() for n, g in mean.items()}, "summed gradient")
 
 
+@pytest.mark.slow  # a pool case
 def test_gloo_reductions_are_sums_in_every_unit(pools):
     pools(4).run(_case_gloo_sum_reduction)
 
@@ -498,6 +504,7 @@ def _case_collectives_per_step(layout):
     return len(wrapped.fsdp_units) + 1, forward.all_gathers, backward.all_gathers, backward.reduce_scatters
 
 
+@pytest.mark.slow  # a pool case
 def test_collectives_per_step_follow_the_resharding_mode(pools):
     units, fwd, bwd, rs = pools(4).run(_case_collectives_per_step, "dp4_zero3")[0]
     # ZeRO-3: every unit gathers in forward, re-gathers in backward (the root

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from helpers import full_params, make_config, setup_parallel
+from helpers import full_params, make_config, setup_parallel, tiered
 from megatron_fsdp import _torch_compat, parallel_state
 from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 from megatron_fsdp.kernels import fsdp_copy_ops, fsdp_mixed_precision_hook
@@ -259,6 +259,6 @@ def _case_training_identical(tp, precision):
 
 # Pairwise: each TP size and each precision (no cast, bf16 and fp16 casts in the copy-in) once;
 # the 2D (TP x FSDP) parameters with the cast, the hardest combination.
-@pytest.mark.parametrize("tp,precision", [(1, None), (2, "bf16"), (1, "fp16")])
+@pytest.mark.parametrize("tp,precision", tiered([(1, None), (2, "bf16"), (1, "fp16")], [(1, "fp16")]))
 def test_training_is_bitwise_identical_with_kernels(pools, tp, precision):
     pools(4).run(_case_training_identical, tp, precision)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import megatron_fsdp
+from helpers import tiered
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 
 from fully_shard_models import (STEPS, EncoderStack, SmallCNN, adam_run, assert_like_one_process, batch, gathered,
@@ -23,9 +24,12 @@ def _case_training_matches_reference(model_name, strategy, **kwargs):
 
 
 @pytest.mark.parametrize("model_name, strategy, expected", [
-    ("cnn", 0, ("no_shard", 2, False)), ("cnn", 1, ("optim", 1, True)), ("cnn", 2, ("optim_grads", 1, True)),
-    ("cnn", 3, ("optim_grads_params", 1, True)),
-    ("encoder", "no_shard", ("no_shard", 2, False)), ("encoder", "optim", ("optim", 1, True)),
+    # Each strategy once in the fast loop (by number on the CNN, by name on the encoder), the rest in the suite.
+    ("cnn", 0, ("no_shard", 2, False)), ("cnn", 1, ("optim", 1, True)),
+    pytest.param("cnn", 2, ("optim_grads", 1, True), marks=pytest.mark.slow),
+    pytest.param("cnn", 3, ("optim_grads_params", 1, True), marks=pytest.mark.slow),
+    pytest.param("encoder", "no_shard", ("no_shard", 2, False), marks=pytest.mark.slow),
+    pytest.param("encoder", "optim", ("optim", 1, True), marks=pytest.mark.slow),
     ("encoder", "optim_grads", ("optim_grads", 1, True)),
     ("encoder", "optim_grads_params", ("optim_grads_params", 1, True)),
 ])
@@ -202,6 +206,7 @@ def _case_optimizer_state_exists_and_changes_nothing(path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # a pool case with DCP
 def test_optimizer_state_exists_after_sharding_and_a_dcp_round_trip_continues_exactly(pools, tmp_path):
     pools(2).run(_case_optimizer_state_exists_and_changes_nothing, str(tmp_path / "ckpt"))
 
@@ -225,7 +230,7 @@ def _case_memory_per_strategy(strategy):
     return full, _local_bytes(params), _local_bytes(p.grad for p in params), _local_bytes(moments)
 
 
-@pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+@pytest.mark.parametrize("strategy", tiered([0, 1, 2, 3], [3]))
 def test_each_strategy_holds_the_memory_its_name_promises(pools, strategy):
     world = 4
     for full, params, grads, moments in pools(world).run(_case_memory_per_strategy, strategy):
@@ -267,7 +272,7 @@ def _case_meta_device_init(outer):
     return [gathered(p).sum().item() for p in model.module.parameters()]
 
 
-@pytest.mark.parametrize("outer", [None, "no_shard", "optim"], ids=["fsdp", "hsdp", "hfsdp"])
+@pytest.mark.parametrize("outer", tiered([None, "no_shard", "optim"], [None]), ids=["fsdp", "hsdp", "hfsdp"])
 def test_meta_device_init_materializes_shards_and_replicas_agree(pools, outer):
     sums = pools(4).run(_case_meta_device_init, outer)
     assert all(s == sums[0] for s in sums)  # the same full model on every rank

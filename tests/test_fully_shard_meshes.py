@@ -43,11 +43,12 @@ def _case_hybrid(model_name, strategy, outer_strategy, comm_dtype=None):
 @pytest.mark.parametrize("model_name, strategy, outer, comm_dtype, expected", [
     # HSDP: each replica holds half of the model (2 shard ranks), and so does its optimizer.
     ("encoder", 3, "no_shard", None, ("optim_grads_params", 2, 0.5, 0.5, True)),
-    ("cnn", "no_shard", 0, None, ("no_shard", 2, 1.0, 1.0, True)),
+    pytest.param("cnn", "no_shard", 0, None, ("no_shard", 2, 1.0, 1.0, True), marks=pytest.mark.slow),
     # HFSDP: the weights are halves, the optimizer steps a quarter (its pieces of the halves);
     # gradients reduced in another dtype than the parameters' (grad_comm_dtype) too.
-    ("encoder", 3, "optim", None, ("optim_grads_params", 2, 0.5, 0.25, False)),
-    ("cnn", "optim_grads", 1, torch.float64, ("optim_grads", 2, 0.5, 0.25, False)),
+    pytest.param("encoder", 3, "optim", None, ("optim_grads_params", 2, 0.5, 0.25, False), marks=pytest.mark.slow),
+    pytest.param("cnn", "optim_grads", 1, torch.float64, ("optim_grads", 2, 0.5, 0.25, False),
+                 marks=pytest.mark.slow),
 ])
 def test_hybrid_meshes_train_like_one_process(pools, model_name, strategy, outer, comm_dtype, expected):
     results = pools(4).run(_case_hybrid, model_name, strategy, outer, comm_dtype)
@@ -81,6 +82,7 @@ def _case_hfsdp_gradient_norm():
     assert halved == pytest.approx(expected / 2, rel=1e-5)
 
 
+@pytest.mark.slow  # a pool case; HFSDP's representative: the quarter of the state below
 def test_hfsdp_gradient_norm_over_the_optimizers_parameters_is_the_whole_models(pools):
     pools(4).run(_case_hfsdp_gradient_norm)
 
@@ -98,6 +100,7 @@ def _case_hfsdp_checkpoint(tmp):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=f"{saved} into {outer}")
 
 
+@pytest.mark.slow  # a pool case; HFSDP's representative: the quarter of the state below
 def test_hfsdp_checkpoint_round_trip_continues_training_and_hsdp_reads_it_and_back(pools, tmp_path):
     pools(4).run(_case_hfsdp_checkpoint, str(tmp_path))
 
@@ -123,6 +126,7 @@ def _case_hfsdp_gradient_lifecycle():
     assert_like_one_process(model, "encoder", world, microbatches=2)
 
 
+@pytest.mark.slow  # a pool case; HFSDP's representative: the quarter of the state below
 def test_hfsdp_reduces_every_microbatch_and_a_skipped_step_leaves_nothing_behind(pools):
     pools(4).run(_case_hfsdp_gradient_lifecycle)
 
@@ -264,8 +268,10 @@ def _case_tp(strategy, dims):
 
 @pytest.mark.parametrize("strategy, dims, expected", [
     (3, {"dp": 2, "tp": 2}, (("dp", "tp"), False)),  # FSDP x TP: a quarter of each weight
-    (0, {"dp": 2, "tp": 2}, (("dp_replicate", "dp_shard", "tp"), True)),  # no_shard x TP: the TP half
-    (3, {"outer": 2, "shard": 1, "tp": 2}, (("shard", "tp"), True)),  # HFSDP x TP (one shard rank)
+    pytest.param(0, {"dp": 2, "tp": 2}, (("dp_replicate", "dp_shard", "tp"), True),  # no_shard x TP: the TP half
+                 marks=pytest.mark.slow),
+    pytest.param(3, {"outer": 2, "shard": 1, "tp": 2}, (("shard", "tp"), True),  # HFSDP x TP (one shard rank)
+                 marks=pytest.mark.slow),
 ], ids=["fsdp", "no_shard", "hfsdp"])
 def test_tensor_parallel_dtensors_compose_with_each_data_parallel_strategy(pools, strategy, dims, expected):
     assert pools(4).run(_case_tp, strategy, dims) == [expected] * 4

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import reference_gpt
-from helpers import FP32_TOLERANCE, assert_close_dicts, batch, full_grads, full_params, make_config, setup_parallel
+from helpers import (FP32_TOLERANCE, assert_close_dicts, batch, full_grads, full_params, make_config,
+                     setup_parallel, tiered)
 from megatron_fsdp import parallel_state
 from megatron_fsdp.models.gpt import GPTModel
 
@@ -85,12 +86,14 @@ def _pairwise() -> list[tuple[int, bool, str]]:
     return cases
 
 
-@pytest.mark.parametrize("tp,sequence_parallel,variant", _pairwise())
+@pytest.mark.parametrize("tp,sequence_parallel,variant",
+                         tiered(_pairwise(), [(1, False, "plain"), (2, True, "gqa_swiglu_rope_rmsnorm")]))
 def test_gpt_matches_dense_reference(pools, tp, sequence_parallel, variant):
     pools(4).run(_case_parity, tp, sequence_parallel, variant)
 
 
 @pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, True)])
+@pytest.mark.slow  # pool cases
 def test_gpt_with_attention_mask_matches_reference(pools, tp, sequence_parallel):
     pools(4).run(_case_parity, tp, sequence_parallel, "gqa_swiglu_rope_rmsnorm", masked=True)
 
@@ -113,5 +116,6 @@ def _case_init_is_tp_invariant(variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", ["plain", "gqa_swiglu_rope_rmsnorm"])
+@pytest.mark.slow  # pool cases at three TP sizes
 def test_initialization_is_identical_for_every_tp_size(pools, variant):
     pools(4).run(_case_init_is_tp_invariant, variant)

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "megatron_fsdp"
 
@@ -136,6 +138,7 @@ def _under(loaded: set[str], package: str) -> list[str]:
     return sorted(m for m in loaded if m == package or m.startswith(package + "."))
 
 
+@pytest.mark.slow  # an interpreter start
 def test_start_up_loads_neither_the_compiler_nor_the_fp8_stack_nor_the_kernels():
     # One interpreter for both checks (a start costs seconds on 2 cores). `import megatron_fsdp`
     # loads only what it exposes; the training loop and the example scripts (what every rank of

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import tiered
 from megatron_fsdp import _process_groups as process_groups
 from megatron_fsdp import parallel_state as ps
 
@@ -219,9 +220,14 @@ _MEGATRON_INSTANCE_SPLIT = pytest.mark.xfail(strict=True, reason=(
     "a Megatron instance is {dp ranks} x {one cp rank}: ranks [0, 1] vs the library's [0, 2]"))
 
 
+_FAST_LAYOUTS = ("tp1", "tp2", "cp2_dp2")  # the fast loop's; every layout runs in the suite
+
+
 def _layout_params():
     for name in LAYOUTS:
         marks = [_MEGATRON_INSTANCE_SPLIT] if name == "order_tp_dp_cp_two_optimizer_instances" else []
+        if name not in _FAST_LAYOUTS:  # each new layout's groups cost about a second at first use
+            marks.append(pytest.mark.slow)
         yield pytest.param(name, marks=marks, id=name)
 
 
@@ -235,6 +241,7 @@ def test_groups_match_megatron_layout(pools, name):
         assert sorted(x for g in groups for x in g) == list(range(WORLD)), f"{dim} groups {groups}"
 
 
+@pytest.mark.slow  # a pool case of its own groups
 def test_default_layout_examples(pools):
     """Hand-written expectations for the common 4-rank layouts (default order)."""
     results = pools(WORLD).run(_case_layout, 2, 1, 1, None)
@@ -278,6 +285,7 @@ def _case_reinitialize() -> None:
         ps.destroy_model_parallel()  # twice is fine
 
 
+@pytest.mark.slow  # a pool case of its own groups
 def test_destroy_then_initialize_again(pools):
     pools(WORLD).run(_case_reinitialize)
 
@@ -303,6 +311,7 @@ def _case_new_world_clears_dtensor_caches() -> int:
     return len(calls) - before
 
 
+@pytest.mark.slow  # a pool case of its own groups
 def test_a_new_default_group_clears_dtensor_sharding_caches(pools):
     assert pools(WORLD).run(_case_new_world_clears_dtensor_caches) == [1] * WORLD
 
@@ -343,6 +352,7 @@ def _case_equal_user_meshes_of_two_jobs() -> list[tuple[float, int]]:
     return results
 
 
+@pytest.mark.slow  # a pool case of its own groups
 def test_a_job_leaves_no_dtensor_cache_naming_its_mesh_groups(pools):
     # DTensor caches output specs by op schema, and DeviceMesh equality ignores groups: the
     # second job's equal mesh found the first job's spec, whose group names ("3", "4", ...) the
@@ -381,6 +391,7 @@ def _case_a_finished_job_leaves_no_group_alive() -> int:
     return sum(ref() is not None for ref in refs)
 
 
+@pytest.mark.slow  # a pool case of its own groups
 def test_a_finished_job_leaves_no_process_group_alive(pools):
     # Each group keeps threads and sockets: pretrain() run twice in one process (the worker pool
     # runs dozens) kept every earlier job's groups, 30-60 threads per job at 4 ranks, all waking.
@@ -404,6 +415,7 @@ def _case_threads_and_a_sum() -> tuple[int, float]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are counted in /proc")
+@pytest.mark.slow  # a pool case of its own groups
 def test_the_pool_renews_its_group_when_cases_pile_up_groups(pools):
     # Meshes are cached per layout for the default group's life, so the layout cases pile up
     # groups; each costs threads that wake. Past _MAX_THREADS the pool renews its ranks' group.
@@ -678,6 +690,6 @@ def _case_timeout_and_gloo_groups(tp: int, cp: int, n_inst: int) -> None:
         ps.get_data_parallel_group_gloo()
 
 
-@pytest.mark.parametrize("tp,cp,n_inst", [(1, 1, 2), (2, 1, 1), (1, 2, 1)])
+@pytest.mark.parametrize("tp,cp,n_inst", tiered([(1, 1, 2), (2, 1, 1), (1, 2, 1)], [(2, 1, 1)]))
 def test_timeout_and_gloo_groups(pools, tp, cp, n_inst):
     pools(WORLD).run(_case_timeout_and_gloo_groups, tp, cp, n_inst)

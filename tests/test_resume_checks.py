@@ -117,5 +117,6 @@ def _case_bare_checkpoint_into_the_wrapper(ckpt: str):
     assert loaded_optimizer.step()[0]
 
 
+@pytest.mark.slow  # a pool case
 def test_a_checkpoint_grouped_otherwise_loads_its_optimizer_state_by_name(pools, tmp_path):
     pools(4).run(_case_bare_checkpoint_into_the_wrapper, str(tmp_path / "ckpt"))

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from helpers import FP32_TOLERANCE, full_tensor, make_config, setup_parallel
+from helpers import FP32_TOLERANCE, full_tensor, make_config, setup_parallel, tiered
 from megatron_fsdp import parallel_state
 from megatron_fsdp.tensor_parallel import (
     ColumnParallelLinear,
@@ -216,7 +216,7 @@ def _case_column(tp: int) -> None:
         layer(torch.zeros(S, B, IN - 1))
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", tiered([1, 2, 4], [1, 4]))  # TP 2: the suite
 def test_column_parallel_linear_matches_dense(pools, tp):
     pools(WORLD).run(_case_column, tp)
 
@@ -255,7 +255,7 @@ def _case_column_stride(tp: int) -> None:
             assert torch.equal(blocks[start + offset:start + offset + n], full_w[first:first + n])
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", tiered([1, 2, 4], [1, 4]))  # TP 2: the suite
 def test_column_stride_splits_megatrons_way(pools, tp):
     pools(WORLD).run(_case_column_stride, tp)
 
@@ -367,7 +367,7 @@ def _case_row(tp: int) -> None:
         full_in(torch.zeros(S, B, R_IN + 1))
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", tiered([1, 2, 4], [1, 4]))  # TP 2: the suite
 def test_row_parallel_linear_matches_dense(pools, tp):
     pools(WORLD).run(_case_row, tp)
 
@@ -422,7 +422,7 @@ def _case_embedding(tp: int) -> None:
             VocabParallelEmbedding(33, H, init_method=init_method_normal(0.02), config=cfg)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", tiered([1, 2, 4], [1, 4]))  # TP 2: the suite
 def test_vocab_parallel_embedding_matches_dense(pools, tp):
     pools(WORLD).run(_case_embedding, tp)
 
@@ -466,7 +466,7 @@ def _case_cross_entropy(tp: int) -> None:
         vocab_parallel_cross_entropy(local, torch.zeros(S, B + 1, dtype=torch.long))
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", tiered([1, 2, 4], [1, 4]))  # TP 2: the suite
 def test_vocab_parallel_cross_entropy_matches_dense(pools, tp):
     pools(WORLD).run(_case_cross_entropy, tp)
 
@@ -587,7 +587,7 @@ def _case_mappings(tp: int) -> None:
         mappings.reduce_scatter_to_sequence_parallel_region(x, input_split_sizes=[1] * tp)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", tiered([1, 2, 4], [2]))
 def test_mappings_forward_and_backward(pools, tp):
     pools(WORLD).run(_case_mappings, tp)
 
@@ -672,6 +672,7 @@ def _case_unsupported_options() -> None:
                           skip_bias_add=False)
 
 
+@pytest.mark.slow  # a pool case at TP 2
 def test_unsupported_constructor_options_raise(pools):
     pools(WORLD).run(_case_unsupported_options)
 
