@@ -3,7 +3,7 @@ each TransformerLayer compiled before it is sharded, composing with FSDP2, TP wi
 parallelism, activation recomputation, mixed precision and fp8 (tensorwise or rowwise): the
 losses of pretrain() with and without it are the same (traced under aot_eager: bit for bit), delayed
 fp8 scaling's histories included; single fp8 linears compile without a graph break (inductor's CPU
-backend for delayed scaling)."""
+backend for tensorwise scaling)."""
 
 import re
 
@@ -58,7 +58,7 @@ def _job_counting_compiles(argv, backend="inductor"):
 # layer, functionalization: where the composition bugs lived) and the traced ops then run as eager
 # runs them, so the losses equal eager's bit for bit. Inductor's code generation (about 20 s a case
 # cold on 2 cores) adds nothing to these compositions that tracing does not: it runs once, on the
-# fp8 linear below, whose custom ops and recompilation it lowers.
+# tensorwise fp8 linear below, whose custom ops it lowers.
 @pytest.mark.parametrize("extra", [
     ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
      "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
@@ -90,9 +90,9 @@ class _Fp8Layer(torch.nn.Module):
 
 
 @pytest.mark.slow  # compiles (delayed: twice, the second time once the histories are calibrated)
-# Delayed scaling under inductor (our fp8 ops in its generated code, a recompile); tensorwise under
-# aot_eager (the same tracing, no code generation).
-@pytest.mark.parametrize("recipe_name, backend", [("delayed", "inductor"), ("tensorwise", "aot_eager")])
+# Tensorwise scaling under inductor (our fp8 ops in its generated code); delayed scaling, whose
+# recompile once the histories calibrate is dynamo's doing, under aot_eager (the same tracing).
+@pytest.mark.parametrize("recipe_name, backend", [("delayed", "aot_eager"), ("tensorwise", "inductor")])
 def test_fp8_linears_compile_whole_and_train_like_eager(recipe_name, backend):
     """fullgraph=True: no graph break, so under delayed scaling the histories are recorded from
     inside the compiled graph (input amax) and through the sink's gradient (output gradient
