@@ -43,8 +43,8 @@ def pytest_configure(config):
     # everything but the separate steps; CI runs the suite and every step.
     config.addinivalue_line("markers", "e2e: launches the user's entry points as processes (torchrun, "
                                        "scripts)")
-    config.addinivalue_line("markers", "slow: a case that takes more than about 3 s on a 2-core machine, "
-                                       "or one of a grid whose representative runs in the fast tier")
+    config.addinivalue_line("markers", "slow: out of the fast loop: a case above about 3 s on a 2-core machine, "
+                                       "or a pool case whose feature has its representative there")
     config.addinivalue_line("markers", "packaging: installs and builds into throwaway environments, and the "
                                        "build check's child interpreters (a step of its own: -m packaging)")
     config.addinivalue_line("markers", "soak: the statistical shutdown soak at full length (a step of its "

@@ -25,6 +25,7 @@ import runpy
 import shutil
 import sys
 import tempfile
+from unittest import mock
 
 import torch.distributed as dist
 
@@ -66,7 +67,7 @@ def run_job(argv: list[str], main, *, failing: bool = False) -> tuple:
             stack.enter_context(contextlib.redirect_stdout(out))
             if failing:
                 stack.enter_context(contextlib.redirect_stderr(err))
-                stack.enter_context(_environment(TORCHELASTIC_ERROR_FILE=error_file))
+                stack.enter_context(mock.patch.dict(os.environ, TORCHELASTIC_ERROR_FILE=error_file))
             main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -96,20 +97,6 @@ def with_shared_mock_indices(argv: list[str]) -> list[str]:
     if cache and "--mock-data" in argv and "--data-cache-path" not in argv:
         return [*argv, "--data-cache-path", cache]
     return argv
-
-
-@contextlib.contextmanager
-def _environment(**values):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def pretrain_gpt_module():
