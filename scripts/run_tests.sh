@@ -18,10 +18,6 @@
 # MEGATRON_FSDP_VENV=system), the cuda_build step is that build: nothing more to compile.
 # Fails when any step fails (the later steps still run).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-cd "$ROOT"
-# The suite must exercise the compiled extension, not its Python fallback.
-export MEGATRON_FSDP_REQUIRE_EXTENSION=1
 
 steps=()
 while [ "$#" -gt 0 ] && [ "$1" = --step ]; do
@@ -38,6 +34,13 @@ if [ "${#steps[@]}" -gt 0 ] && [ "$#" -gt 0 ]; then
   exit 2
 fi
 [ "${#steps[@]}" -gt 0 ] || steps=(suite)
+
+SECONDS=0
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+echo "[run_tests] setup (scripts/env.sh: the environment and the extension's build): ${SECONDS} s" >&2
+cd "$ROOT"
+# The suite must exercise the compiled extension, not its Python fallback.
+export MEGATRON_FSDP_REQUIRE_EXTENSION=1
 
 pytest_args=("$@")
 suite() {
