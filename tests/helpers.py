@@ -1,25 +1,15 @@
-"""Shared pieces of the multi-process test cases (run inside pool workers)."""
+"""Shared pieces of the multi-process test cases (run inside pool workers), and `tiered`, the fast loop's
+grid helper."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.transformer import TransformerConfig
-
-def tiered(values, fast) -> list:
-    """pytest.mark.parametrize's `values`, each one not in `fast` marked slow: a grid whose
-    representatives run in the fast loop (-m "not e2e and not slow") and the rest in the default
-    suite (README, Tests)."""
-    import pytest
-
-    fast = list(fast)
-    unknown = [v for v in fast if v not in values]
-    assert not unknown, f"tiered: {unknown} are not among the values {values}"
-    return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
-            for v in values]
 
 
 # Summation order differs between TP sizes; fp32 agreement to ~1e-5 relative
@@ -54,6 +44,17 @@ def on_rank_zero(section, *args) -> None:
         raise error
     if told[0] is not None:
         raise RuntimeError(f"rank 0 failed in {getattr(section, '__name__', 'its section')}: {told[0]}")
+
+
+def tiered(values, fast) -> list:
+    """pytest.mark.parametrize's `values`, each one not in `fast` marked slow: a grid whose
+    representatives run in the fast loop (-m "not e2e and not slow") and the rest in the default
+    suite (README, Tests)."""
+    fast = list(fast)
+    unknown = [v for v in fast if v not in values]
+    assert not unknown, f"tiered: {unknown} are not among the values {values}"
+    return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]
 
 
 def make_config(**overrides) -> TransformerConfig:
