@@ -23,6 +23,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "48", "--num-attention-heads", "4
 RUN = ["--use-torch-fsdp2", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
        "--train-iters", "6", "--mock-data", "--vocab-size", "64", "--log-interval", "1", "--log-throughput",
        "--eval-interval", "3", "--eval-iters", "1", "--num-workers", "0", "--seed", "5"]
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # Megatron-LM's defaults (MODEL has none)
 LINE = re.compile(r"iteration\s+(\d+)/\s+\d+ \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): "
                   r"([\d.]+) \| throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \| throughput per GPU "
                   r"\(tokens/s/GPU\): ([\d.]+) \|.*\| lm loss: ([\d.E+-]+) \|")
@@ -103,6 +104,27 @@ def test_tensorboard_gets_megatrons_scalars(reference):
     validation = {e.step: e.value for e in events.Scalars("lm loss validation")}
     ppl = {e.step: e.value for e in events.Scalars("lm loss validation ppl")}
     assert sorted(validation) == [3, 6] and ppl[3] == pytest.approx(math.exp(validation[3]), rel=1e-5)
+
+
+@pytest.mark.slow  # pretrain() jobs in the worker pool
+def test_a_resume_with_dropout_repeats_the_uninterrupted_run_bit_for_bit(tmp_path, pools):
+    """Megatron's default dropout on CPU, a cyclic data loader with worker processes (each epoch
+    an iter() of the loader), and evaluations before and after the checkpoint: resumed at
+    iteration 3, the run repeats the uninterrupted one's losses, training and validation, bit for
+    bit. (Data loaders built after the RNG states were restored once drew from the generator
+    dropout uses.)"""
+    run = [*DROPOUT, "--dataloader-type", "cyclic", "--num-workers", "2", "--eval-interval", "2", "--eval-iters", "1"]
+    ckpt = str(tmp_path / "ckpt")
+    first = _pretrain(pools, 2, *run, "--save", ckpt, "--save-interval", "3")
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3\n")
+    resumed = _pretrain(pools, 2, *run, "--load", ckpt)
+    validation = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
+    losses, evaluations = ([{int(m[1]): m[pick] for m in map(pattern.search, proc.stdout.splitlines()) if m}
+                            for proc in (first, resumed)] for pattern, pick in ((LINE, 6), (validation, 2)))
+    assert sorted(losses[0]) == [1, 2, 3, 4, 5, 6] and sorted(losses[1]) == [4, 5, 6], losses
+    assert losses[1] == {k: v for k, v in losses[0].items() if k > 3}
+    assert sorted(evaluations[0]) == [2, 4, 6] and evaluations[1] == {k: v for k, v in evaluations[0].items() if k > 3}
 
 
 @pytest.mark.slow  # a pretrain() job in the worker pool
@@ -193,7 +215,7 @@ def test_fp8_training_resumes_exactly(tmp_path, pools):
     from its iteration-2 checkpoint (amax histories restored, weight scales
     recomputed from the loaded weights) repeats the uninterrupted losses."""
     fp8 = ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4",
-           "--fp8-param-gather", "--train-iters", "4", "--eval-iters", "0"]
+           "--fp8-param-gather", "--train-iters", "4", "--eval-iters", "0", *DROPOUT]
     ckpt = str(tmp_path / "ckpt")
     first = _pretrain(pools, 2, *fp8, "--save", ckpt, "--save-interval", "2")
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:

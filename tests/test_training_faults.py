@@ -25,8 +25,8 @@ from megatron_fsdp import _torch_compat
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NPROC = 2
 FLAGS = ["--use-torch-fsdp2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--mock-data", "--vocab-size", "64", "--log-interval", "1",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--hidden-dropout", "0.1",
+         "--attention-dropout", "0.1", "--mock-data", "--vocab-size", "64", "--log-interval", "1",
          "--eval-iters", "0", "--num-workers", "0"]
 LOSS = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([\d.E+-]+|NAN|nan) \|.*number of nan iterations:\s+(\d+) \|")
 

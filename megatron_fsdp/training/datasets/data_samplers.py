@@ -42,8 +42,14 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args=None):
     """A DataLoader over `dataset` that starts after `consumed_samples` samples (None for no dataset).
 
     Reads `dataloader_type` ("single", "cyclic" or "external"), `micro_batch_size`,
-    `num_workers`, `data_sharding` and `full_validation` (and `eval_micro_batch_size` for
-    valid/test) from `args` (the global training arguments by default).
+    `num_workers`, `data_sharding`, `full_validation` (and `eval_micro_batch_size` for
+    valid/test) and `seed` from `args` (the global training arguments by default).
+
+    The loader draws the base seed of its worker processes from a generator of its own, seeded
+    with `seed`, where torch's DataLoader draws it from the global CPU generator at every
+    `iter()`: building the loaders after a checkpoint restored the RNG states, or a cyclic
+    loader starting an epoch, would otherwise move the generator CPU dropout draws from, and a
+    resumed run would differ from the uninterrupted one.
     """
     if dataset is None:
         return None
@@ -69,9 +75,12 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, args=None):
     else:
         raise ValueError(f"--dataloader-type {dataloader_type} is not supported (single, cyclic or external)")
     num_workers = int(getattr(args, "num_workers", 2))
+    # NOTE: a generator of the loader's own, never the global one (see the docstring).
+    generator = torch.Generator().manual_seed(int(getattr(args, "seed", 1234)))
     return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
                                        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
-                                       worker_init_fn=ignore_termination_signals if num_workers > 0 else None)
+                                       worker_init_fn=ignore_termination_signals if num_workers > 0 else None,
+                                       generator=generator)
 
 
 def ignore_termination_signals(worker_id: int) -> None:
