@@ -53,6 +53,7 @@ PRIVATE_NAMES = {
     "torch.distributed.fsdp._fully_shard._fsdp_param:ShardedState.SHARDED": ALL,
     "torch.distributed.checkpoint.planner_helpers:_create_chunk_list": ALL,
     "torch.distributed.checkpoint.state_dict:_EXTRA_STATE": ALL,
+    "torch.distributed.checkpoint._traverse:set_element": ALL,
     "torch.distributed.tensor.debug:_clear_sharding_prop_cache": ALL,
     "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache": ALL,
     "torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear": ALL,
@@ -426,6 +427,14 @@ def create_chunk_list(tensor):
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
     return _create_chunk_list(tensor)
+
+
+def set_state_dict_element(state_dict: dict, path, value) -> None:
+    """`checkpoint._traverse.set_element`: put `value` at `path` of a nested state dict, where
+    DCP's DefaultLoadPlanner puts a non-tensor value it loaded into a flattened state dict."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(state_dict, path, value)
 
 
 def is_extra_state_placeholder(value) -> bool:

@@ -17,6 +17,7 @@ import zlib
 
 import torch
 
+from . import safe_unpickle
 from .core import CheckpointError
 
 _MAGIC = b"MFSDENT1"  # megatron_fsdp checkpoint entry, layout 1: magic, crc32 (4 bytes, little-endian), torch.save
@@ -40,6 +41,8 @@ def unpack(blob, what: str):
         raise CheckpointError(f"{what} is corrupt: checksum mismatch (crc32 {zlib.crc32(payload):08x}, "
                               f"{crc:08x} was written)")
     try:
-        return torch.load(io.BytesIO(payload), weights_only=True)
+        return safe_unpickle.load(io.BytesIO(payload), what)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"{what} is corrupt ({type(exc).__name__}: {exc})") from exc

@@ -32,7 +32,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from . import publish
 from .core import CheckpointError, describe
 from .lazy_save import LazySavePlanner, as_planned
+from .safe_unpickle import MEGATRON_CORE_GLOBALS, SafeLoadPlanner, load as safe_load
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -79,7 +79,7 @@ def _iteration_dir(path: str, iteration: Optional[int]) -> tuple[str, int]:
     return os.path.join(path, f"iter_{iteration:07d}"), iteration
 
 
-class _SliceReads(DefaultLoadPlanner):
+class _SliceReads(SafeLoadPlanner):
     """Reads one row block of a stored tensor (a layer of a stacked one) into `dest`."""
 
     def __init__(self, key: str, chunk: ChunkStorageMetadata, dest: torch.Tensor):
@@ -115,17 +115,23 @@ class McoreReader:
         self.args = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args or {})
 
     def _common(self) -> dict:
-        if os.path.isfile(os.path.join(self.path, "common.pt")):  # Megatron-Core's earlier layout
-            return torch.load(os.path.join(self.path, "common.pt"), weights_only=False)
+        """The common state, unpickled as Megatron-Core unpickles it (safe_unpickle): never runs code."""
+        common_pt = os.path.join(self.path, "common.pt")
+        if os.path.isfile(common_pt):  # Megatron-Core's earlier layout
+            with open(common_pt, "rb") as f:
+                return safe_load(f, common_pt, MEGATRON_CORE_GLOBALS)
         if COMMON not in self._metadata:
             return {}
         found = {COMMON: io.BytesIO()}
-        torch.serialization.add_safe_globals([argparse.Namespace])
-        dcp.load(found, storage_reader=self._reader, no_dist=True)
+        try:
+            dcp.load(found, storage_reader=self._reader, no_dist=True,
+                     planner=SafeLoadPlanner(allowed=MEGATRON_CORE_GLOBALS))
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            raise CheckpointError(f"{self.path}: cannot read its common state ({describe(exc)})") from None
         value = found[COMMON]
         if isinstance(value, io.BytesIO):
             value.seek(0)
-            value = torch.load(value, weights_only=False)
+            value = safe_load(value, f"{self.path}: common state", MEGATRON_CORE_GLOBALS)
         return value[0] if isinstance(value, list) else value
 
     def locate(self, name: str) -> tuple[str, Optional[int]]:

@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -25,6 +24,7 @@ from ..utils import unwrap_model
 from . import strided, vocab_padding
 from .checksums import ChecksumFileSystemWriter
 from .core import EXTRA_STATE_SUFFIX, CheckpointError, describe
+from .safe_unpickle import SafeLoadPlanner
 
 
 def _inner_optimizer(optimizer):
@@ -61,7 +61,7 @@ def save_sharded(state: dict, path: str, checksums: Optional[dict], model: Optio
         dcp.save(state, storage_writer=ChecksumFileSystemWriter(path, checksums), planner=planner)
 
 
-class _LoadPlanner(DefaultLoadPlanner):
+class _LoadPlanner(SafeLoadPlanner):
     """DCP's load planner, with the two reads of our own: the vocabulary rows below the
     true vocabulary (vocab_padding) and partition-strided tensors (strided)."""
 
@@ -90,7 +90,7 @@ def read_entries(path: str, names: list[str]) -> dict:
         return {}
     values = {name: b"" for name in names}
     try:
-        dcp.load(values, checkpoint_id=path, no_dist=True)
+        dcp.load(values, checkpoint_id=path, no_dist=True, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read "
                               f"{', '.join(names)} ({describe(exc)})") from exc
