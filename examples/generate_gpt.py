@@ -33,7 +33,8 @@ from megatron_fsdp.training.arguments import parse_args  # noqa: E402
 from megatron_fsdp.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron_fsdp.training.error_report import report_errors  # noqa: E402
 from megatron_fsdp.training.global_vars import get_tokenizer  # noqa: E402
-from megatron_fsdp.training.initialize import distributed_job, initialize_distributed, initialize_megatron  # noqa: E402
+from megatron_fsdp.training.initialize import (check_launched_by_torchrun, distributed_job,  # noqa: E402
+                                               initialize_distributed, initialize_megatron)
 from megatron_fsdp.training.training import setup_tokenizer  # noqa: E402
 from megatron_fsdp.training.utils import print_rank_0  # noqa: E402
 
@@ -117,6 +118,7 @@ def generate(model, prompt_ids: list[int], num_tokens: int, *, vocab_size: int, 
 
 
 def main() -> None:
+    check_launched_by_torchrun()
     args = parse_args(extra_args_provider=add_text_generate_args, defaults=GENERATION_DEFAULTS)
     check_sampling_args(args.top_k, args.top_p, args.temperature, args.greedy)
     if not args.load:

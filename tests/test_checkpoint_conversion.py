@@ -93,8 +93,7 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path):
                         "--save-dir", str(target), *extra, expect_ok=False)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("convert.py: error:") and match in lines[0], proc.stderr
-        assert not target.exists() or not any(p for p in target.iterdir() if not p.name.startswith(".")), \
-            list(target.iterdir())
+        assert not target.exists(), list(target.iterdir())
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -120,6 +119,58 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path):
                     str(occupied), expect_ok=False)
     assert "is not an empty directory: not overwriting it" in proc.stderr
     assert os.listdir(occupied) == ["keep.txt"]
+
+
+def _garbled(hf_dir, how):
+    """`hf_dir` (one model.safetensors) spoiled as a download goes wrong: the file that is spoiled."""
+    path = os.path.join(hf_dir, "config.json" if how == "config not JSON" else "model.safetensors")
+    if how == "random bytes":
+        with open(path, "wb") as f:
+            f.write(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
+                                  dtype=torch.uint8).numpy().tobytes())
+    elif how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    else:
+        with open(path, "w") as f:
+            f.write("<html>404 not found</html>")
+    return path
+
+
+@pytest.mark.parametrize("how, says", [
+    ("random bytes", "not a safetensors file: its header would be"),
+    ("truncated", "truncated: tensor "),
+    ("config not JSON", "not JSON (Expecting value"),
+])
+def test_a_broken_hugging_face_directory_is_one_line_naming_the_file_and_writes_nothing(tmp_path, how, says):
+    _, hf_dir = _hf_dir(tmp_path, "llama")
+    spoiled, target = _garbled(hf_dir, how), tmp_path / "out"
+    for saver in ("megatron_fsdp", "mcore"):
+        proc = _convert("--loader", "hf", "--saver", saver, "--load-dir", hf_dir, "--save-dir", str(target),
+                        expect_ok=False)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"convert.py: error: {spoiled}: {says}"), proc.stderr
+        assert not target.exists()
+
+
+def test_a_write_that_fails_midway_leaves_no_save_dir(tmp_path, monkeypatch):
+    """A tensor that cannot be read once the writing began (the disk, the network file system):
+    DCP's failure, one line, and the --save-dir this run created is gone again."""
+    from megatron_fsdp.dist_checkpointing import hf_directory
+
+    _, hf_dir = _hf_dir(tmp_path, "llama")
+    target = tmp_path / "out" / "ckpt"
+
+    def failing(self, name):
+        raise OSError(f"I/O error reading {name} (injected)")
+
+    monkeypatch.setattr(hf_directory.SafetensorsFile, "tensor", failing)
+    for saver in ("megatron_fsdp", "mcore"):
+        proc = _convert("--loader", "hf", "--saver", saver, "--load-dir", hf_dir, "--save-dir", str(target),
+                        expect_ok=False)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "I/O error reading" in lines[0], proc.stderr
+        assert not target.exists()
 
 
 @pytest.mark.slow  # a pretrain() job in the worker pool

@@ -200,7 +200,9 @@ def test_bad_checkpoints_raise_clear_errors_on_every_rank(pools, trained_checkpo
     if case == "mismatched_model":
         assert "checkpoint has shape [64, 32], model has [64, 48]" in errors[0].message
     if case == "truncated":  # the checksum check names the file
-        assert all(re.search(r"__\d_\d\.distcp: \d+ bytes, \d+ were written", e.message) for e in errors), errors[0].message
+        # in the message's first line: the one a job's one-line error shows
+        assert all(re.search(r"__\d_\d\.distcp: \d+ bytes, \d+ were written", e.message.splitlines()[0])
+                   for e in errors), errors[0].message
     if case == "truncated_unverified":  # DCP's per-rank failures, one line each
         assert all(re.search(r"rank \d: \w+(Error|Exception)", e.message) for e in errors), errors[0].message
 

@@ -121,6 +121,26 @@ def test_a_bad_flag_is_one_line_on_rank_zero_with_exit_code_2(monkeypatch, capfd
     assert err.strip().splitlines() == ["pretrain_gpt.py: error: --num-layers must be a positive integer, got 0"]
 
 
+@pytest.mark.parametrize("script", ["pretrain_gpt.py", "generate_gpt.py"])
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_a_script_started_without_torchrun_says_how_to_start_it(monkeypatch, capfd, script, tp):
+    """`python examples/pretrain_gpt.py ...`: one line naming torchrun, exit code 2, before the flags
+    are read (at TP 2 they blamed --tensor-model-parallel-size; at TP 1 torch's missing RANK showed)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = os.path.join(ROOT, "examples", script)
+    monkeypatch.setattr(sys, "argv", [path, *BAD_FLAGS[2:], "--num-layers", "2", "--tensor-model-parallel-size", tp])
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(path, run_name="__main__")
+    out, err = capfd.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: RANK and WORLD_SIZE are not set: start this "
+                                                   f"script with torchrun, e.g. `torchrun --nproc-per-node N {path}"), err
+
+
 def test_a_bad_flag_is_silent_on_the_other_ranks_and_an_unknown_flag_is_one_line(monkeypatch, capfd):
     code, out, err = _script_in_process(monkeypatch, capfd, 1, *BAD_FLAGS)
     assert (code, out, err) == (2, "", "")

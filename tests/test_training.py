@@ -4,6 +4,7 @@ data-parallel size that continues with the same samples, and the one-line errors
 that must stop. The jobs run in the worker pool (tests/pretrain_in_pool.py): torchrun's own
 part of an error is tests/test_training_faults.py's."""
 
+import glob
 import importlib.util
 import math
 import os
@@ -185,6 +186,31 @@ def test_a_changed_schedule_is_refused_before_any_tensor_is_read(reference, tmp_
                                   "OptimizerParamScheduler: this run's lr_decay_steps (total number of iterations) is "
                                   "64 but the checkpoint's is 48")
     assert "--override-opt-param-scheduler" in error_lines(outcomes[0][2])[0][3]
+
+
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_a_run_whose_checkpoint_reached_train_iters_says_there_is_nothing_to_train(reference, tmp_path, pools):
+    tmp, _, _ = reference
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(tmp / "ckpt", ckpt)
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("6\n")  # the reference run's last save
+    out = _pretrain(pools, 2, "--tensor-model-parallel-size", "2", "--load", ckpt, "--eval-iters", "0").stdout
+    assert "> nothing to train: the checkpoint loaded is at iteration 6 and --train-iters is 6" in out, out[-2000:]
+    assert "training ..." not in out and not LINE.search(out)
+
+
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_a_corrupt_checkpoint_is_one_line_that_names_the_file(reference, tmp_path, pools):
+    """A shard cut short: the job's one-line error names it (the first of the files, and how many more)."""
+    ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
+    shards = sorted(glob.glob(os.path.join(ckpt, "iter_0000003", "*.distcp")))
+    for shard in shards[:2]:
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    outcomes = _failing(pools, 2, "--tensor-model-parallel-size", "2", "--load", ckpt, "--eval-iters", "0")
+    assert_one_line_error_in_pool(outcomes, f"is corrupt: a file differs from what was saved: {shards[0]}: ")
+    assert "(and 1 more file(s), below)" in error_lines(outcomes[0][2] + outcomes[1][2])[0][3]
 
 
 @pytest.mark.slow  # a pretrain() job in the worker pool

@@ -32,19 +32,44 @@ class SafetensorsFile:
     """One safetensors file: its header, and each tensor read alone."""
 
     def __init__(self, path: str):
+        """Reads and checks the header against the file's size: a file of other bytes, or one cut
+        short, is refused here, in one line naming it, before any tensor is read or written."""
         self.path = path
         try:
             with open(path, "rb") as f:
+                file_size = os.fstat(f.fileno()).st_size
                 size = int.from_bytes(f.read(8), "little")
+                if file_size < 8 or size > file_size - 8:
+                    raise CheckpointError(f"{path}: not a safetensors file: its header would be {size} bytes, the "
+                                          f"file has {file_size}")
                 header = json.loads(f.read(size))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: not a safetensors file: its header is not JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: not a safetensors file: its header is not a JSON object")
         header.pop("__metadata__", None)
         for name, entry in header.items():
-            if entry.get("dtype") not in DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {entry.get('dtype')!r}, not one of "
-                                      f"{sorted(DTYPES)}")
+            self._check_entry(name, entry, file_size - 8 - size)
         self._header, self._start = header, 8 + size
+
+    def _check_entry(self, name: str, entry, data_size: int) -> None:
+        if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
+            dtype = entry.get("dtype") if isinstance(entry, dict) else entry
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype {dtype!r}, not one of {sorted(DTYPES)}")
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets)):
+            raise CheckpointError(f"{self.path}: tensor {name}'s header entry is malformed ({entry})")
+        begin, end = offsets
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise CheckpointError(f"{self.path}: tensor {name} spans bytes {begin}-{end}, its shape {shape} and "
+                                  f"dtype {entry['dtype']} need {nbytes}")
+        if end > data_size:
+            raise CheckpointError(f"{self.path}: truncated: tensor {name} ends at byte {end} of the data, the file "
+                                  f"holds {data_size}")
 
     def names(self) -> list[str]:
         return list(self._header)
@@ -99,12 +124,10 @@ class HFDirectory:
         config_path = os.path.join(path, CONFIG)
         if not os.path.isfile(config_path):
             raise CheckpointError(f"{path} has no {CONFIG}: not a Hugging Face model directory")
-        with open(config_path) as f:
-            self.config = json.load(f)
+        self.config = _read_json(config_path)
         index_path = os.path.join(path, INDEX)
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map") or {}
+            weight_map = _read_json(index_path).get("weight_map") or {}
             missing = sorted({file for file in weight_map.values() if not os.path.isfile(os.path.join(path, file))})
             if missing:
                 raise CheckpointError(f"{index_path} names {', '.join(missing)}, which {path} does not hold")
@@ -139,6 +162,19 @@ class HFDirectory:
         if name not in self._where:
             raise CheckpointError(f"{self.path} holds no tensor {name}")
         return self._where[name]
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            found = json.load(f)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+    except ValueError as exc:  # json's errors (and a file that is not UTF-8)
+        raise CheckpointError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path}: holds a JSON {type(found).__name__}, not an object")
+    return found
 
 
 def shard_names(spec: dict[str, tuple[torch.Size, torch.dtype]], max_shard_bytes: int) -> list[list[str]]:

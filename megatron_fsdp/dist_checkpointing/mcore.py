@@ -238,19 +238,19 @@ def write_mcore_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torc
     final = os.path.join(save_dir, f"iter_{iteration:07d}")
     if os.path.exists(final):
         raise CheckpointError(f"{final} exists: not overwriting it")
-    os.makedirs(save_dir, exist_ok=True)
-    tmp = publish.temp_dir_for(final)
-    os.makedirs(tmp)
-    try:
-        dcp.save(state, checkpoint_id=tmp, no_dist=True,
-                 planner=_StackedSavePlanner(layers, flat, produce))
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
-        tracker = os.path.join(save_dir, publish.TRACKER_FILENAME)  # Megatron-LM writes no newline
-        publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, str(iteration).encode()))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with publish.output_directory(save_dir):
+        tmp = publish.temp_dir_for(final)
+        os.makedirs(tmp)
+        try:
+            dcp.save(state, checkpoint_id=tmp, no_dist=True,
+                     planner=_StackedSavePlanner(layers, flat, produce))
+            with open(os.path.join(tmp, "metadata.json"), "w") as f:
+                json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
+            tracker = os.path.join(save_dir, publish.TRACKER_FILENAME)  # Megatron-LM writes no newline
+            publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, str(iteration).encode()))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return final
 
 

@@ -9,6 +9,7 @@ directory, without which POSIX does not promise the rename survives a crash.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -52,6 +53,23 @@ def write_atomic(path: str, data: bytes) -> None:
     write_durable(tmp, data)
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path) or ".")
+
+
+@contextlib.contextmanager
+def output_directory(path: str):
+    """Inside: `path` exists (created if missing). If the body raises, a `path` created here is
+    removed again when it is still empty: a failed write leaves nothing where it was to go."""
+    created = not os.path.isdir(path)
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield path
+    except BaseException:
+        if created:
+            try:
+                os.rmdir(path)  # only if empty
+            except OSError:
+                pass
+        raise
 
 
 def temp_dir_for(final: str) -> str:

@@ -155,6 +155,20 @@ def gpu_shortage(backend: str, local_world_size: int, local_rank: int) -> Option
             f"(torchrun --nproc-per-node {visible}), or use --distributed-backend gloo to run on the CPU")
 
 
+def check_launched_by_torchrun(store=None) -> None:
+    """The example scripts run under torchrun, which starts their processes and gives each its
+    RANK and WORLD_SIZE. Started by `python` alone they would fail later on a message about
+    something else (the tensor-parallel size, torch's missing RANK): one line saying how to launch
+    them, exit code 2, before the flags are read. A caller with a store of its own passes it."""
+    if store is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return
+    script = sys.argv[0] or "examples/pretrain_gpt.py"
+    print(f"{os.path.basename(script)}: error: RANK and WORLD_SIZE are not set: start this script with torchrun, "
+          f"e.g. `torchrun --nproc-per-node N {script} <flags>` for N processes on this machine (1 or more; "
+          "one per GPU)", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def initialize_distributed(args, store=None) -> None:
     """The default process group, from torchrun's environment. More processes
     on this node than visible GPUs (NCCL) is a usage error, before any

@@ -103,20 +103,20 @@ def write_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torch.dtyp
     checkpoint of `save_dir` at `iteration`, with `args` (the architecture flags) as its
     training state's stored arguments. One process; returns the checkpoint's path."""
     final = ckpt.checkpoint_dir(save_dir, iteration)
-    os.makedirs(save_dir, exist_ok=True)
-    publish.clean_stale(save_dir, ckpt._is_complete)
-    tmp = publish.temp_dir_for(final)
-    os.makedirs(tmp)
     # No run's layout (so no RNG states to restore), and no module to ask for its vocabulary tables.
     train_state = ckpt.train_state(iteration, {"converted_from": source}, true_vocab_size, [], {"args": args})
     state = {"model": {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in spec.items()},
              ckpt._TRAIN_STATE: entries.pack(train_state)}
     record = {}
-    try:
-        dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp, record),
-                 planner=LazySavePlanner(lambda key: produce(key[len("model."):])), no_dist=True)
-        ckpt.publish_checkpoint(tmp, final, iteration, [record])
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with publish.output_directory(save_dir):
+        publish.clean_stale(save_dir, ckpt._is_complete)
+        tmp = publish.temp_dir_for(final)
+        os.makedirs(tmp)
+        try:
+            dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp, record),
+                     planner=LazySavePlanner(lambda key: produce(key[len("model."):])), no_dist=True)
+            ckpt.publish_checkpoint(tmp, final, iteration, [record])
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return final

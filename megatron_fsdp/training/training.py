@@ -52,7 +52,7 @@ from .error_report import report_errors
 from .evaluation import evaluate, evaluate_and_print_results, exit_duration_reached
 from .flops import num_floating_point_operations
 from .global_vars import get_args, set_tokenizer
-from .initialize import distributed_job, initialize_distributed, initialize_megatron
+from .initialize import check_launched_by_torchrun, distributed_job, initialize_distributed, initialize_megatron
 from .nan_check import check_for_nan_in_loss_and_grad
 from .progress import CollectiveTimeoutError, ProgressBeacon, is_timeout
 from .training_log import TrainingLogger, build_tensorboard_writer, build_wandb_writer
@@ -78,6 +78,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     if model_type != ModelType.encoder_or_decoder:
         raise ValueError(f"pretrain: model_type {model_type!r} is not supported (only "
                          "ModelType.encoder_or_decoder)")
+    check_launched_by_torchrun(store)
     args = parse_args(extra_args_provider=extra_args_provider, defaults=args_defaults)
     # From here on an error is one line, once for the job, and exit code 1 (see error_report).
     with report_errors():
@@ -125,7 +126,10 @@ def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_f
     logger = TrainingLogger(args, build_tensorboard_writer(args), build_wandb_writer(args))
     try:
         iteration, exit_reason = args.iteration, None
-        if args.do_train and not args.skip_train:
+        if args.do_train and not args.skip_train and iteration >= args.train_iters:
+            print_rank_0(f"> nothing to train: the checkpoint loaded is at iteration {iteration} and --train-iters "
+                         f"is {args.train_iters} (a larger --train-iters trains on)")
+        elif args.do_train and not args.skip_train:
             print_rank_0("training ...")
             iteration, flops, exit_reason = train(
                 forward_step_func, model, optimizer, opt_param_scheduler, train_iterator, valid_iterator, config,

@@ -60,7 +60,9 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
-    from megatron_fsdp.dist_checkpointing.core import CheckpointError
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_fsdp.dist_checkpointing.core import CheckpointError, describe
     from megatron_fsdp.training import checkpoint_conversion as conversion
 
     warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -85,6 +87,9 @@ def main(argv=None) -> int:
             where = conversion.save_megatron_fsdp(model, args.save_dir, dtype=dtype, source=args.loader)
     except (CheckpointError, NotImplementedError, ValueError, OSError) as exc:
         print(f"convert.py: error: {exc}", file=sys.stderr)
+        return 1
+    except CheckpointException as exc:  # DCP's own, a BaseException: a failure while writing
+        print(f"convert.py: error: writing {args.save_dir} failed ({describe(exc)})", file=sys.stderr)
         return 1
     except KeyError as exc:  # a config.json or stored args without a field the model needs
         print(f"convert.py: error: the source's configuration lacks {exc}", file=sys.stderr)
