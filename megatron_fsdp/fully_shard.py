@@ -45,6 +45,7 @@ from ._process_groups import backend_device_type
 from .distributed.fsdp_plan import FSDPPlan, _materialization_device, _units, apply_fsdp_plan
 from .distributed.outer_sharding import OuterShardedOptimizerState
 from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params
+from .initialization import has_recorded_parameters, initialize_parameters
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 
@@ -162,15 +163,23 @@ def _compute_dtype(module: nn.Module) -> Optional[torch.dtype]:
 
 @torch.no_grad()
 def _materialize(module: nn.Module, mesh: DeviceMesh, group: dist.ProcessGroup, device: torch.device) -> None:
-    """A meta-device model after sharding: allocate this rank's shards only, then let each
-    submodule initialize its own parameters and buffers (`reset_parameters()`, or
-    `_reset_parameters()` as torch's MultiheadAttention has) on them; replicas (HSDP) then take
-    replica 0's values, and every rank rank 0's buffers."""
+    """A meta-device model after sharding: allocate this rank's shards only, then initialize
+    them. megatron_fsdp's layers draw as TorchFullyShardedDataParallel's meta path does (each rank
+    its part, initialization.initialize_parameters: the same weights through either API, at any
+    layout); every other submodule initializes its own parameters and buffers
+    (`reset_parameters()`, or `_reset_parameters()` as torch's MultiheadAttention has). Replicas
+    (HSDP) then take replica 0's values, and every rank rank 0's buffers."""
     module.to_empty(device=device)
+    ours = False
     for sub in module.modules():
+        if has_recorded_parameters(sub):
+            ours = True
+            continue
         reset = _torch_compat.parameter_initializer(sub)
         if reset is not None:
             reset()
+    if ours:
+        initialize_parameters(module, others_initialized=True)
     broadcast_fsdp_params(module, mesh, group)
 
 

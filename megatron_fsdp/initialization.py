@@ -174,14 +174,21 @@ def _unrecorded_parameters(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if id(p) not in recorded]
 
 
+def has_recorded_parameters(module: nn.Module) -> bool:
+    """Whether `module` itself declares how some of its parameters start (a megatron_fsdp layer)."""
+    return bool(recorded_inits(module))
+
+
 @torch.no_grad()
-def initialize_parameters(model: nn.Module, seed: Optional[int] = None) -> None:
+def initialize_parameters(model: nn.Module, seed: Optional[int] = None, *, others_initialized: bool = False) -> None:
     """Initialize every parameter of a materialized meta-device model, each rank
     drawing only its part (see the module's docstring). `seed` defaults to one
     draw from torch's default generator, rank 0's for every rank (a collective
     when torch.distributed is initialized: call it on every rank, or pass a seed).
-    Raises if the model holds a parameter whose initialization is unknown."""
-    missing = _unrecorded_parameters(model)
+    Raises if the model holds a parameter whose initialization is unknown, unless
+    `others_initialized`: the caller has initialized those (their modules' own
+    reset_parameters(), as NVIDIA's fully_shard does for any model)."""
+    missing = [] if others_initialized else _unrecorded_parameters(model)
     if missing:
         raise ValueError(
             f"cannot initialize parameters not created by megatron_fsdp layers: {missing[:5]}"

@@ -272,6 +272,37 @@ def _case_meta_device_init(outer):
     return [gathered(p).sum().item() for p in model.module.parameters()]
 
 
+def _case_one_initialization_through_both_apis() -> None:
+    """A megatron_fsdp GPT built on the meta device, materialized by TorchFullyShardedDataParallel
+    and by NVIDIA's fully_shard from the same generator state: the same full weights, bit for bit
+    (fully_shard once ran each layer's reset_parameters(), drawing full tensors from torch's
+    generator, where the wrapper draws each rank's part from the counter-based generator)."""
+    from helpers import assert_close_dicts, full_params, make_config, setup_parallel
+    from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron_fsdp.models.gpt import GPTModel
+    from megatron_fsdp.transformer.transformer_layer import TransformerLayer
+
+    setup_parallel(1)
+    config = make_config()
+    weights = {}
+    for api in ("wrapper", "fully_shard"):
+        torch.manual_seed(7)
+        with torch.device("meta"):
+            model = GPTModel(config, vocab_size=64, max_sequence_length=16, position_embedding_type="rope")
+        if api == "wrapper":
+            model = TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(), model)
+        else:
+            model, _ = fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=[TransformerLayer],
+                                   init_model_with_meta_device=True, device=torch.device("cpu"))
+        weights[api] = full_params(model.module)
+    assert any(w.abs().sum() > 0 for w in weights["wrapper"].values())
+    assert_close_dicts(weights["fully_shard"], weights["wrapper"], "weight", rtol=0, atol=0)
+
+
+def test_a_meta_device_gpt_gets_the_same_weights_through_either_api(pools):
+    pools(2).run(_case_one_initialization_through_both_apis)
+
+
 @pytest.mark.parametrize("outer", tiered([None, "no_shard", "optim"], [None]), ids=["fsdp", "hsdp", "hfsdp"])
 def test_meta_device_init_materializes_shards_and_replicas_agree(pools, outer):
     sums = pools(4).run(_case_meta_device_init, outer)

@@ -192,10 +192,12 @@ def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
 
 
 def materialize_meta_parameters(module: nn.Module, plan: FSDPPlan, tp_attributes: dict) -> None:
-    """Allocate only this rank's shards, then draw the values a normal build
-    would (from the current generator state: seeded as before a normal build,
-    the model holds exactly the normally built weights). The initialization
-    reads the TP attributes (a partition_stride's rows): restored first."""
+    """Allocate only this rank's shards, then let each rank draw only its part
+    (initialization.initialize_parameters, seeded from the current generator
+    state): the same full weights at every TP, FSDP and HSDP layout, and through
+    NVIDIA's fully_shard API, though not those an eager build draws. The
+    initialization reads the TP attributes (a partition_stride's rows):
+    restored first."""
     if plan.materialize_on is None:
         return
     module.to_empty(device=plan.materialize_on)

@@ -119,8 +119,10 @@ class TorchFullyShardedDataParallel(_BaseDataParallel):
       unsharded gradient per rank for one reduce-scatter per step.
     - Meta device: a model built under `torch.device("meta")` (or with
       `config.init_model_with_meta_device`) is materialized shard by shard
-      and initialized here, from the current generator state: seeded as
-      before a normal build, it holds exactly the normally built weights.
+      and initialized here, each rank drawing only its part, seeded from the
+      current generator state (megatron_fsdp.initialization): the same full
+      weights at every layout and through megatron_fsdp.fully_shard, though
+      not the ones an eager build draws.
     """
 
     def __init__(
