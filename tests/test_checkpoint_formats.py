@@ -20,7 +20,7 @@ from megatron_fsdp.training.checkpointing import CheckpointError, load_checkpoin
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "data", "checkpoint_v2")
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the tests' own DCP calls
 
 
 def _build(seed):

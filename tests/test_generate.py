@@ -72,8 +72,9 @@ def test_generation_from_a_checkpoint_at_another_tensor_parallel_size(tmp_path, 
     assert code == 0, out[-3000:]
     generate = ["--load", ckpt, "--prompts", "5 6 7 8", "--num-tokens-to-generate", "6", "--greedy"]
     outputs = []
-    for tp in (2, 1):
-        outcomes = pools(tp).run(generate_gpt_job, [*MODEL, "--tensor-model-parallel-size", str(tp), *generate],
+    # At TP 1 the model flags and --seq-length come from the checkpoint (--use-checkpoint-args).
+    for tp, flags in ((2, MODEL), (1, ["--use-checkpoint-args", "--vocab-size", "64"])):
+        outcomes = pools(tp).run(generate_gpt_job, [*flags, "--tensor-model-parallel-size", str(tp), *generate],
                                  timeout=300)
         assert [code for code, _ in outcomes] == [0] * tp, "".join(out for _, out in outcomes)[-3000:]
         out = "".join(out for _, out in outcomes)

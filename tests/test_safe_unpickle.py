@@ -18,6 +18,8 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from megatron_fsdp.dist_checkpointing import mcore, safe_unpickle, torch_dcp
 from megatron_fsdp.dist_checkpointing.core import CheckpointError
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the tests' own DCP calls
+
 
 class _WritesAFile:
     """Unpickled without the weights-only unpickler, this opens (creates) `path` for writing."""

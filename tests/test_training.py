@@ -188,6 +188,28 @@ def test_a_changed_schedule_is_refused_before_any_tensor_is_read(reference, tmp_
     assert "--override-opt-param-scheduler" in error_lines(outcomes[0][2])[0][3]
 
 
+def _job_recording_warnings(argv):
+    """pretrain_gpt_job(argv) and the warnings its rank raised."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, out = pretrain_gpt_job(argv)
+    return code, out, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_a_resume_warns_nothing(reference, tmp_path, pools):
+    """torch's "torch.distributed is disabled ... assuming the intent is to load in a single process"
+    came twice on every rank of every resume (each rank reads its own entries without a group)."""
+    ckpt = _checkpoint_at_iteration_3(reference, tmp_path)
+    outcomes = pools(2).run(_job_recording_warnings, [*MODEL, *RUN, "--tensor-model-parallel-size", "2", "--load",
+                                                      ckpt, "--eval-iters", "0"], timeout=400)
+    assert [code for code, _, _ in outcomes] == [0, 0], outcomes[0][1][-2000:]
+    assert "loaded checkpoint" in "".join(out for _, out, _ in outcomes)
+    assert [said for _, _, said in outcomes] == [[], []]
+
+
 @pytest.mark.slow  # a pretrain() job in the worker pool
 def test_a_run_whose_checkpoint_reached_train_iters_says_there_is_nothing_to_train(reference, tmp_path, pools):
     tmp, _, _ = reference

@@ -1,8 +1,11 @@
-"""The error every checkpoint failure raises, and the one verdict every rank
-raises alike (the collectives themselves are megatron_fsdp.utils')."""
+"""The error every checkpoint failure raises, the one verdict every rank
+raises alike (the collectives themselves are megatron_fsdp.utils'), and DCP
+run by one process alone."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -12,6 +15,16 @@ from ..utils import all_gather_objects
 
 # The state-dict key of a module's extra state (nn.Module.get_extra_state), after the module's prefix.
 EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+@contextlib.contextmanager
+def this_process_alone():
+    """Around DCP called with no_dist=True (a rank reading its own entries, a conversion in one
+    process): DCP warns at every call that it assumes one process, which is the intent here, and
+    a resume printed it twice on every rank."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class CheckpointError(RuntimeError):

@@ -219,7 +219,7 @@ def model_args(hf: Mapping) -> dict:
         norm_epsilon=config["layernorm_epsilon"], disable_bias_linear=True, add_qkv_bias=config["add_qkv_bias"],
         position_embedding_type="rope", rotary_base=model["rotary_base"], rotary_percent=1.0,
         use_rope_scaling=model["rope_scaling"], rope_scaling_factor=model["rope_scaling_factor"],
-        max_position_embeddings=model["max_sequence_length"],
+        max_position_embeddings=model["max_sequence_length"], seq_length=model["max_sequence_length"],
         untie_embeddings_and_output_weights=not model["share_embeddings_and_output_weights"])
 
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from . import publish
-from .core import CheckpointError, describe
+from .core import CheckpointError, describe, this_process_alone
 from .lazy_save import LazySavePlanner, as_planned
 from .safe_unpickle import MEGATRON_CORE_GLOBALS, SafeLoadPlanner, load as safe_load
 
@@ -124,8 +124,9 @@ class McoreReader:
             return {}
         found = {COMMON: io.BytesIO()}
         try:
-            dcp.load(found, storage_reader=self._reader, no_dist=True,
-                     planner=SafeLoadPlanner(allowed=MEGATRON_CORE_GLOBALS))
+            with this_process_alone():
+                dcp.load(found, storage_reader=self._reader, no_dist=True,
+                         planner=SafeLoadPlanner(allowed=MEGATRON_CORE_GLOBALS))
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"{self.path}: cannot read its common state ({describe(exc)})") from None
         value = found[COMMON]
@@ -163,7 +164,8 @@ class McoreReader:
             chunk = ChunkStorageMetadata(torch.Size([layer] + [0] * (len(size) - 1)), torch.Size([1, *size[1:]]))
             dest = torch.empty((1, *size[1:]), dtype=self.dtype(name))
         try:
-            dcp.load({key: dest}, storage_reader=self._reader, planner=_SliceReads(key, chunk, dest), no_dist=True)
+            with this_process_alone():
+                dcp.load({key: dest}, storage_reader=self._reader, planner=_SliceReads(key, chunk, dest), no_dist=True)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"{self.path}: cannot read {key} ({describe(exc)})") from exc
         return dest[0] if layer is not None else dest
@@ -242,8 +244,8 @@ def write_mcore_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torc
         tmp = publish.temp_dir_for(final)
         os.makedirs(tmp)
         try:
-            dcp.save(state, checkpoint_id=tmp, no_dist=True,
-                     planner=_StackedSavePlanner(layers, flat, produce))
+            with this_process_alone():
+                dcp.save(state, checkpoint_id=tmp, no_dist=True, planner=_StackedSavePlanner(layers, flat, produce))
             with open(os.path.join(tmp, "metadata.json"), "w") as f:
                 json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
             tracker = os.path.join(save_dir, publish.TRACKER_FILENAME)  # Megatron-LM writes no newline

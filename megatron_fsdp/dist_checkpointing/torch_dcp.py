@@ -5,6 +5,7 @@ TP=4 or one process loaded), across vocabulary padding too."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch.distributed.checkpoint as dcp
@@ -20,10 +21,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..utils import unwrap_model
+from ..utils import is_distributed, unwrap_model
 from . import strided, vocab_padding
 from .checksums import ChecksumFileSystemWriter
-from .core import EXTRA_STATE_SUFFIX, CheckpointError, describe
+from .core import EXTRA_STATE_SUFFIX, CheckpointError, describe, this_process_alone
 from .safe_unpickle import SafeLoadPlanner
 
 
@@ -55,10 +56,12 @@ def save_sharded(state: dict, path: str, checksums: Optional[dict], model: Optio
     `model`'s partition-strided parameters are written in their full layout
     (strided.py). A failure on any rank raises DCP's CheckpointException on every rank."""
     planner = strided.StridedSavePlanner(strided.strided_keys(unwrap_model(model), state) if model else {})
-    if checksums is None:
-        dcp.save(state, checkpoint_id=path, planner=planner)
-    else:
-        dcp.save(state, storage_writer=ChecksumFileSystemWriter(path, checksums), planner=planner)
+    alone = not is_distributed()  # one process without a group: DCP's no_dist, said nothing about
+    with this_process_alone() if alone else contextlib.nullcontext():
+        if checksums is None:
+            dcp.save(state, checkpoint_id=path, planner=planner, no_dist=alone)
+        else:
+            dcp.save(state, storage_writer=ChecksumFileSystemWriter(path, checksums), planner=planner, no_dist=alone)
 
 
 class _LoadPlanner(SafeLoadPlanner):
@@ -90,7 +93,8 @@ def read_entries(path: str, names: list[str]) -> dict:
         return {}
     values = {name: b"" for name in names}
     try:
-        dcp.load(values, checkpoint_id=path, no_dist=True, planner=SafeLoadPlanner())
+        with this_process_alone():
+            dcp.load(values, checkpoint_id=path, no_dist=True, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read "
                               f"{', '.join(names)} ({describe(exc)})") from exc
@@ -147,7 +151,9 @@ def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict
     strided_keys = strided.strided_keys(inner, state)
     planner = _LoadPlanner(rows, strided_keys, legacy_interleaved)
     try:
-        dcp.load(state, checkpoint_id=path, planner=planner)
+        alone = not is_distributed()
+        with this_process_alone() if alone else contextlib.nullcontext():
+            dcp.load(state, checkpoint_id=path, planner=planner, no_dist=alone)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {describe(exc)}") from exc
     planner.strided_reads.finish()

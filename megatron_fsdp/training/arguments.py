@@ -44,7 +44,11 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
             if action.dest in stored:
                 action.required = False
     args = p.parse_args(argv)
+    if stored:
+        from .checkpointing import RUN_DEFAULT_ARGS
     for name, value in (stored or {}).items():
+        if name in RUN_DEFAULT_ARGS and getattr(args, name, None) is not None:
+            continue  # the command line's own, as Megatron-LM keeps it
         if getattr(args, name, value) != value and int(os.environ.get("RANK", "0")) == 0:
             print(f"> --use-checkpoint-args: --{name.replace('_', '-')} {value!r} from the checkpoint replaces "
                   f"{getattr(args, name)!r}", flush=True)

@@ -26,7 +26,7 @@ from ..dist_checkpointing import hf as hf_mapping
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.hf_directory import HFDirectory, write_hf_directory
 from ..dist_checkpointing.mcore import McoreReader, write_mcore_checkpoint
-from .checkpointing import ARCHITECTURE_ARGS
+from .checkpointing import ARCHITECTURE_ARGS, RUN_DEFAULT_ARGS
 from .offline_checkpoint import CheckpointReader, write_checkpoint
 
 Spec = dict[str, tuple[torch.Size, torch.dtype]]
@@ -127,7 +127,7 @@ def load_mcore(path: str, iteration: Optional[int] = None, true_vocab_size: Opti
     layer's tensor read alone from its stacked tensor; the flags from its stored `args`."""
     reader = McoreReader(path, iteration)
     # Megatron-LM's names of the architecture flags are ours.
-    args = {k: reader.args[k] for k in ARCHITECTURE_ARGS if k in reader.args}
+    args = {k: reader.args[k] for k in ARCHITECTURE_ARGS + RUN_DEFAULT_ARGS if k in reader.args}
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in args]
     if missing:
         raise CheckpointError(f"{reader.path}: its stored args lack {', '.join(missing)}: its architecture is unknown")
@@ -221,6 +221,8 @@ def model_flags(args: dict) -> str:
     """The pretraining flags of `args` as a command line (what --use-checkpoint-args reads)."""
     words = []
     for name, value in args.items():
+        if name == "rope_scaling_factor" and not args.get("use_rope_scaling"):
+            continue  # stored as the flag's value, meaningless without --use-rope-scaling
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             words += [flag] if value else []

@@ -535,6 +535,9 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attent
                       "untie_embeddings_and_output_weights", "disable_bias_linear", "max_position_embeddings",
                       "group_query_attention", "add_qkv_bias", "norm_epsilon", "rotary_base", "rotary_percent",
                       "use_rope_scaling", "rope_scaling_factor")
+# Flags a checkpoint also stores, which --use-checkpoint-args fills in only where the command line
+# leaves them out (as Megatron-LM's load_args_from_checkpoint does): not the architecture's.
+RUN_DEFAULT_ARGS = ("seq_length",)
 
 
 def save_training_checkpoint(args, iteration: int, model, optimizer, opt_param_scheduler,
@@ -548,7 +551,7 @@ def save_training_checkpoint(args, iteration: int, model, optimizer, opt_param_s
         "consumed_train_samples": int(args.consumed_train_samples),
         "consumed_valid_samples": int(args.consumed_valid_samples),
         "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
-        "args": {name: getattr(args, name, None) for name in ARCHITECTURE_ARGS},
+        "args": {name: getattr(args, name, None) for name in ARCHITECTURE_ARGS + RUN_DEFAULT_ARGS},
     }
     model = model[0] if isinstance(model, list) else model
     return save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args.save, extra_state=extra,

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..dist_checkpointing import checksums, entries, publish
 from ..dist_checkpointing.checksums import ChecksumFileSystemWriter
 from ..dist_checkpointing.lazy_save import LazySavePlanner
-from ..dist_checkpointing.core import EXTRA_STATE_SUFFIX, CheckpointError, describe
+from ..dist_checkpointing.core import EXTRA_STATE_SUFFIX, CheckpointError, describe, this_process_alone
 from . import checkpointing as ckpt
 
 _FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
@@ -70,7 +70,8 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint {self.path} has no model tensor {name}")
         out = {f"model.{name}": torch.empty(self.shape(name), dtype=self.dtype(name))}
         try:
-            dcp.load(out, checkpoint_id=self.path, no_dist=True)
+            with this_process_alone():
+                dcp.load(out, checkpoint_id=self.path, no_dist=True)
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"checkpoint {self.path}: cannot read {name} ({describe(exc)})") from exc
         tensor = out[f"model.{name}"]
@@ -113,8 +114,9 @@ def write_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torch.dtyp
         tmp = publish.temp_dir_for(final)
         os.makedirs(tmp)
         try:
-            dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp, record),
-                     planner=LazySavePlanner(lambda key: produce(key[len("model."):])), no_dist=True)
+            with this_process_alone():
+                dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp, record),
+                         planner=LazySavePlanner(lambda key: produce(key[len("model."):])), no_dist=True)
             ckpt.publish_checkpoint(tmp, final, iteration, [record])
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

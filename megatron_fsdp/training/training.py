@@ -221,7 +221,8 @@ def setup_model_and_optimizer(model_provider_func, model_type=ModelType.encoder_
         else:
             print_rank_last(f"> loaded checkpoint from {args.load} at iteration {loaded['iteration']}"
                             + ("" if loaded["rng_restored"] else " (RNG states not restored: other layout)"))
-            if loaded.get("padded_vocab_size"):
+            if loaded.get("padded_vocab_size") and not args.finetune:
+                # (a fine-tune starts a run of its own: there is no saved run's loss to continue)
                 print_rank_0(padded_vocab_warning(*loaded["padded_vocab_size"], args.tensor_model_parallel_size))
     update_num_microbatches(args.consumed_train_samples, consistency_check=True, verbose=True)
     return model, optimizer, opt_param_scheduler

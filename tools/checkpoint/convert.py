@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -65,7 +64,6 @@ def main(argv=None) -> int:
     from megatron_fsdp.dist_checkpointing.core import CheckpointError, describe
     from megatron_fsdp.training import checkpoint_conversion as conversion
 
-    warnings.filterwarnings("ignore", "torch.distributed is disabled")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.saver_dtype)
     try:
         if args.loader == "hf":
