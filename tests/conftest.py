@@ -39,7 +39,7 @@ SEPARATE_STEPS = ("packaging", "soak")
 
 
 def pytest_configure(config):
-    # The tiers: `-m "not e2e and not slow"` is the fast loop (README); the default suite runs
+    # The tiers: `-m "not e2e and not slow"` is the fast loop (docs/development.md); the default suite runs
     # everything but the separate steps; CI runs the suite and every step.
     config.addinivalue_line("markers", "e2e: launches the user's entry points as processes (torchrun, "
                                        "scripts)")

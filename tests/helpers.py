@@ -49,7 +49,7 @@ def on_rank_zero(section, *args) -> None:
 def tiered(values, fast) -> list:
     """pytest.mark.parametrize's `values`, each one not in `fast` marked slow: a grid whose
     representatives run in the fast loop (-m "not e2e and not slow") and the rest in the default
-    suite (README, Tests)."""
+    suite (docs/development.md, Tests)."""
     fast = list(fast)
     unknown = [v for v in fast if v not in values]
     assert not unknown, f"tiered: {unknown} are not among the values {values}"

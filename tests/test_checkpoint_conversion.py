@@ -208,7 +208,9 @@ def test_finetune_from_converted_at_tp2_dp2_then_export_gives_our_logits_in_tran
 @pytest.mark.slow  # generate_gpt.py in the worker pool
 def test_greedy_generation_from_a_converted_checkpoint_is_transformers(pools, tmp_path):
     """generate_gpt.py --load CONVERTED --use-checkpoint-args at TP 2 (the prompt as token ids,
-    NullTokenizer) generates the tokens transformers' greedy generate() does."""
+    NullTokenizer) generates the tokens transformers' greedy generate() does. No --seq-length: the
+    converted checkpoint stores one (its config's max_position_embeddings), as Megatron-LM's
+    load_args_from_checkpoint takes it."""
     import re
 
     from pretrain_in_pool import generate_gpt_job
@@ -218,7 +220,7 @@ def test_greedy_generation_from_a_converted_checkpoint_is_transformers(pools, tm
     _convert("--loader", "hf", "--saver", "megatron_fsdp", "--load-dir", hf_dir, "--save-dir", converted)
     prompt = [5, 17, 42, 3, 99, 0]
     outcomes = pools(2).run(generate_gpt_job, [
-        "--load", converted, "--use-checkpoint-args", "--tensor-model-parallel-size", "2", "--seq-length", "32",
+        "--load", converted, "--use-checkpoint-args", "--tensor-model-parallel-size", "2",
         "--vocab-size", "100", "--prompts", " ".join(map(str, prompt)), "--num-tokens-to-generate", "10",
         "--greedy"], timeout=300)
     out = "".join(text for _, text in outcomes)
@@ -231,13 +233,15 @@ def test_greedy_generation_from_a_converted_checkpoint_is_transformers(pools, tm
 
 
 @pytest.mark.e2e  # torchrun and two conversions, as a user runs them
-def test_readme_from_and_to_hugging_face_runs_as_written(tmp_path):
-    """The README's "From and to Hugging Face" commands, as written, in a directory holding a tiny
-    Llama as `llama-hf` (and the repository's tools/ and examples/)."""
+def test_documented_hugging_face_commands_run_as_written(tmp_path):
+    """The documented "From and to Hugging Face" commands (docs/checkpoints.md), as written, in a
+    directory holding a tiny Llama as `llama-hf` (and the repository's tools/ and examples/): they
+    succeed, and print neither a vocabulary-padding warning (a fine-tune has no saved run's loss
+    to continue) nor a line per evaluation iteration."""
     import re
 
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("### From and to Hugging Face", 1)[1]
+    with open(os.path.join(ROOT, "docs", "checkpoints.md")) as f:
+        section = f.read().split("## From and to Hugging Face", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
     hf_model, _ = _hf_model("llama")
     hf_model.save_pretrained(str(tmp_path / "llama-hf"))
@@ -248,6 +252,9 @@ def test_readme_from_and_to_hugging_face_runs_as_written(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("model flags: --num-layers 2") == 2
+    assert "--rope-scaling-factor" not in proc.stdout  # no rope scaling in this model: no factor either
+    assert "padded vocabulary" not in proc.stdout, proc.stdout
+    assert proc.stdout.count("Evaluating iter") <= 4, proc.stdout  # --eval-iters 2, validation and test
     reloaded = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "llama-ft-hf"))
     assert reloaded.state_dict().keys() == hf_model.state_dict().keys()
 

@@ -65,16 +65,26 @@ def test_readme_pretraining_command_trains_and_resumes(tmp_path, pools):
     assert resumed == rows[2:], f"resumed {resumed} != uninterrupted {rows[2:]}"
 
 
-def _readme_python_blocks() -> list[str]:
-    with open(os.path.join(ROOT, "README.md")) as f:
-        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+def documentation() -> list[str]:
+    """The README and the pages it links (docs/), repository-relative."""
+    return ["README.md", *sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                                 if f.endswith(".md"))]
 
 
-def test_readme_python_examples_are_whole_scripts_that_end_cleanly():
+def _python_blocks() -> list[tuple[str, str]]:
+    """(page, block) of every ```python block of the documentation, in page order."""
+    found = []
+    for page in documentation():
+        with open(os.path.join(ROOT, page)) as f:
+            found += [(page, block) for block in re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)]
+    return found
+
+
+def test_documented_python_examples_are_whole_scripts_that_end_cleanly():
     # torch + gloo aborts about one finished run in five at exit without the
     # barrier of shutdown_distributed(): a copied example must end with it.
-    blocks = _readme_python_blocks()
-    assert len(blocks) >= 3
+    blocks = [block for _, block in _python_blocks()]
+    assert len(blocks) >= 4
     for block in blocks:
         lines = block.strip().splitlines()
         assert re.match(r"# torchrun --nproc-per-node \d+ ", lines[0]), lines[0]
@@ -82,18 +92,29 @@ def test_readme_python_examples_are_whole_scripts_that_end_cleanly():
 
 
 @pytest.mark.slow  # a script job in the worker pool
-@pytest.mark.parametrize("index", range(4))
-def test_readme_python_snippets_run_as_written(tmp_path, index, pools):
-    """Each ```python block of the README, alone, on as many ranks as the torchrun line it starts
-    with names: the worker pool's ranks run it as torchrun's would, with its own process group.
-    (That the script as a whole ends cleanly is the test above; the launcher is the README
-    command's test.)"""
-    block = _readme_python_blocks()[index]
+@pytest.mark.parametrize("page, block", _python_blocks(),
+                         ids=[f"{page}:{i}" for i, (page, _) in enumerate(_python_blocks())])
+def test_documented_python_snippets_run_as_written(tmp_path, page, block, pools):
+    """Each ```python block of the README's pages, alone, on as many ranks as the torchrun line it
+    starts with names: the worker pool's ranks run it as torchrun's would, with its own process
+    group, and it warns nothing. (That the script as a whole ends cleanly is the test above; the
+    launcher is the README command's test.)"""
     nproc = int(re.match(r"# torchrun --nproc-per-node (\d+) ", block).group(1))
-    script = tmp_path / "readme_snippet.py"
+    script = tmp_path / "documented_snippet.py"
     script.write_text(block)
-    outcomes = pools(nproc).run(script_job, str(script), timeout=300)
-    assert [code for code, _ in outcomes] == [0] * nproc, "".join(out for _, out in outcomes)[-4000:]
+    outcomes = pools(nproc).run(_script_recording_warnings, str(script), timeout=300)
+    assert [code for code, _, _ in outcomes] == [0] * nproc, "".join(out for _, out, _ in outcomes)[-4000:]
+    assert [said for _, _, said in outcomes] == [[]] * nproc
+
+
+def _script_recording_warnings(path: str):
+    """script_job(path) and the warnings its rank raised."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, out = script_job(path)
+    return code, out, [f"{w.category.__name__}: {w.message}" for w in caught]
 
 
 BAD_FLAGS = ["--num-layers", "0", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

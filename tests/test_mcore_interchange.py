@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FIXTURE = os.path.join(HERE, "data", "mcore_torch_dist")
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the tests' own DCP calls
 
 
 def _convert(loader, saver, load_dir, save_dir, *extra, expect_ok=True):
@@ -131,10 +131,10 @@ def test_megatron_core_loads_our_export_with_the_same_logits(tmp_path):
     assert from_expected < 2e-5, proc.stdout[-2000:]
 
 
-@pytest.mark.e2e  # the README's commands, launched as a user runs them
-def test_readme_megatron_core_commands_run_as_written(tmp_path):
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("### From and to Hugging Face", 1)[1].split("\n### ", 1)[0]
+@pytest.mark.e2e  # the documented commands (docs/checkpoints.md), launched as a user runs them
+def test_documented_megatron_core_commands_run_as_written(tmp_path):
+    with open(os.path.join(ROOT, "docs", "checkpoints.md")) as f:
+        section = f.read().split("## From and to Hugging Face", 1)[1].split("\n## ", 1)[0]
     (block,) = [b for b in re.findall(r"```bash\n(.*?)```", section, flags=re.S) if "--loader mcore" in b]
     shutil.copytree(FIXTURE, tmp_path / "mcore-ckpt")
     os.symlink(os.path.join(ROOT, "tools"), tmp_path / "tools")

@@ -12,7 +12,7 @@ unless asked: `TorchFullyShardedDataParallelConfig(fsdp_copy_kernels=True)`
 is process-wide, as the op registry is, so every `fully_shard` module of the
 process then runs them; `disable_fsdp_copy_kernels()` removes it and torch's
 kernels serve again. Results are bitwise those of torch's ops, except the payload of
-NaNs cast to bf16 on CPU (still NaN; see README). Where ours serve an op, the
+NaNs cast to bf16 on CPU (still NaN; see docs/fsdp.md, Copy kernels). Where ours serve an op, the
 profiler shows a `megatron_fsdp::<op>` range inside torch's `fsdp::<op>`.
 
 Under mixed precision the cast of each fp32 shard to the all-gather dtype is
