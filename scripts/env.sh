@@ -100,7 +100,10 @@ stamp="$VENV/.megatron_fsdp_build"
 sources_hash="$(echo "$torch_now" |
                 cat - "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT"/csrc/* "$ROOT/scripts/env.sh" \
                     "$ROOT/megatron_fsdp/kernels/build_check.py" "$ROOT/megatron_fsdp/kernels/build_config.py" | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
+# And the in-tree extension it built: another environment's env.sh (another torch) rebuilds that
+# same megatron_fsdp/_C*.so, which this environment's torch would then refuse.
+built_so() { cat "$ROOT"/megatron_fsdp/_C*.so 2>/dev/null | sha256sum | cut -d' ' -f1; }
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash $(built_so)" ] || ! ls "$ROOT"/megatron_fsdp/_C*.so >/dev/null 2>&1; then
   echo "[env] building megatron_fsdp and its C++ extension" >&2
   # Only what is missing: with everything present, no pip at all (offline images).
   # setuptools: pyproject's build requirement, which --no-build-isolation does not install; a
@@ -128,5 +131,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$sources_hash" ] || ! ls "$ROOT"
     echo "[env] the extension just built is broken (above): fix the compiler and rerun" >&2
     exit 1
   fi
-  echo "$sources_hash" > "$stamp"
+  echo "$sources_hash $(built_so)" > "$stamp"
 fi

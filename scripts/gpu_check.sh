@@ -46,7 +46,7 @@
 # before the first step. No GPU, torch or benchmark JSON is needed or made.
 #
 # The suite's CPU tests (gloo) under the image's torch are not run here: the image's
-# torch 2.11.0+cu130 is the wheel `pip install torch==2.11.0` gives, and the README's
+# torch 2.11.0+cu130 is the wheel `pip install torch==2.11.0` gives, and docs/development.md's
 # Tests section runs the whole suite under it on any CPU machine.
 
 set -Eeuo pipefail

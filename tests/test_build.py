@@ -537,6 +537,14 @@ def test_env_sh_with_the_system_python_works_offline(throwaway, fake_cxx):
     proc = subprocess.run(["bash", str(copy / "scripts" / "env.sh")], env=env, cwd=str(throwaway["base"]),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0 and "[env] building" not in proc.stdout, proc.stdout
+    # The in-tree extension replaced, as another environment's env.sh (another torch) leaves it:
+    # built again for this one.
+    with open(so, "ab") as f:
+        f.write(b"\0")
+    proc = subprocess.run(["bash", str(copy / "scripts" / "env.sh")], env=env, cwd=str(throwaway["base"]),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    assert proc.returncode == 0 and "[env] building" in proc.stdout, proc.stdout[-5000:]
+    assert _import_from_elsewhere(python, throwaway["base"]) == str(so)
 
 
 @pytest.mark.packaging
