@@ -54,6 +54,7 @@ PRIVATE_NAMES = {
     "torch.distributed.checkpoint.planner_helpers:_create_chunk_list": ALL,
     "torch.distributed.checkpoint.state_dict:_EXTRA_STATE": ALL,
     "torch.distributed.checkpoint._traverse:set_element": ALL,
+    "torch.distributed.checkpoint.filesystem:FileSystemReader._get_metadata_path": ALL,
     "torch.distributed.tensor.debug:_clear_sharding_prop_cache": ALL,
     "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache": ALL,
     "torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear": ALL,
@@ -435,6 +436,12 @@ def set_state_dict_element(state_dict: dict, path, value) -> None:
     from torch.distributed.checkpoint._traverse import set_element
 
     set_element(state_dict, path, value)
+
+
+def dcp_metadata_path(reader, rank: Optional[int]):
+    """`FileSystemReader._get_metadata_path`: the path of the checkpoint's `.metadata` file (or
+    rank's), as FileSystemReader.read_metadata opens it (torch 2.11-2.14 alike)."""
+    return reader._get_metadata_path(rank)
 
 
 def is_extra_state_placeholder(value) -> bool:

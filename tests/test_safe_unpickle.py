@@ -5,8 +5,12 @@ own types load without megatron-core."""
 
 import argparse
 import enum
+import glob
 import io
 import json
+import os
+import pickle
+import shutil
 import sys
 import types
 
@@ -17,6 +21,8 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from megatron_fsdp.dist_checkpointing import mcore, safe_unpickle, torch_dcp
 from megatron_fsdp.dist_checkpointing.core import CheckpointError
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the tests' own DCP calls
 
@@ -104,6 +110,134 @@ def test_our_own_checkpoint_entries_and_extra_state_are_read_safely(tmp_path):
     assert not marker.exists()
 
 
+def test_module_extra_state_in_a_training_checkpoint_is_read_safely(tmp_path):
+    """A module's extra state (the fp8 histories) goes through load_checkpoint's own planner: one
+    whose pickle would create a file is refused, naming its entry."""
+    from megatron_fsdp.training.checkpointing import load_checkpoint, save_checkpoint
+
+    marker = tmp_path / "written_by_the_checkpoint"
+
+    class WithExtraState(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 2)
+
+        def get_extra_state(self):
+            return _WritesAFile(str(marker))  # pickled as a call of open(): never called while saving
+
+        def set_extra_state(self, state):
+            pass
+
+    model = WithExtraState()
+    save_checkpoint(1, model, None, None, str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(model, None, None, str(tmp_path / "ckpt"))
+    message = str(refused.value)
+    assert "checkpoint entry model._extra_state: refused to unpickle io.open" in message, message
+    assert len(message.splitlines()) == 1 and not marker.exists()
+
+
+def _with_metadata(tmp_path, fixture: str, metadata: bytes) -> str:
+    """A copy of tests/data/`fixture` whose iteration's `.metadata` is `metadata`, its checksum (if
+    any) dropped from checksums.json as whoever crafted it would."""
+    copy = tmp_path / fixture
+    shutil.copytree(os.path.join(DATA, fixture), copy)
+    (ckpt,) = copy.glob("iter_*")
+    (ckpt / ".metadata").write_bytes(metadata)
+    manifest = ckpt / "checksums.json"
+    if manifest.exists():
+        recorded = json.loads(manifest.read_text())
+        del recorded["files"][".metadata"]
+        manifest.write_text(json.dumps(recorded))
+    return str(copy)
+
+
+@pytest.mark.parametrize("fixture", ["checkpoint_v3_interleaved", "mcore_torch_dist"])
+def test_a_dcp_metadata_file_that_runs_code_is_refused_by_every_reader(tmp_path, fixture):
+    """DCP's own FileSystemReader unpickles `.metadata` with pickle.load; every reader of ours
+    (metadata, entries, a training load, the offline reader, the converter) refuses the call."""
+    from helpers import run_convert
+
+    from megatron_fsdp.training import checkpointing, offline_checkpoint
+
+    marker = tmp_path / "written_by_the_checkpoint"
+    ckpt = _with_metadata(tmp_path, fixture, pickle.dumps(_WritesAFile(str(marker))))
+    (path,) = glob.glob(os.path.join(ckpt, "iter_*"))
+    if fixture == "mcore_torch_dist":
+        readers = [lambda: mcore.McoreReader(ckpt)]
+    else:
+        readers = [lambda: torch_dcp.read_metadata(path), lambda: torch_dcp.read_entries(path, ["rng.rank_0"]),
+                   lambda: offline_checkpoint.CheckpointReader(ckpt),
+                   lambda: checkpointing.load_checkpoint(torch.nn.Linear(2, 2), None, None, ckpt)]
+    for read in readers:
+        with pytest.raises(CheckpointError) as refused:
+            read()
+        assert "refused to unpickle io.open" in str(refused.value), str(refused.value)
+        assert len(str(refused.value).splitlines()) == 1
+    code, out, err = run_convert("--model-type", "GPT", "--loader", "mcore" if "mcore" in fixture else "megatron_fsdp",
+                                 "--saver", "hf", "--load-dir", ckpt, "--save-dir", tmp_path / "out")
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "refused to unpickle io.open" in lines[0], err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles enum members as getattr(cls, name), as Python does for some enums (torch 2.14's
+    _MEM_FORMAT_ENCODING among them)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_getattr_in_metadata_reaches_enum_members_only(tmp_path):
+    metadata = safe_unpickle.SafeFileSystemReader(os.path.join(DATA, "checkpoint_v3_interleaved",
+                                                               "iter_0000002")).read_metadata()
+    buffer = io.BytesIO()
+    _EnumsByName(buffer).dump(metadata)
+    assert b"getattr" in buffer.getvalue()
+    (tmp_path / "by_name").mkdir()
+    (tmp_path / "by_name" / ".metadata").write_bytes(buffer.getvalue())
+    again = safe_unpickle.SafeFileSystemReader(str(tmp_path / "by_name")).read_metadata()
+    assert again.state_dict_metadata == metadata.state_dict_metadata
+
+    class _ReachesAFunction:  # getattr(torch.Size, "__init__"): a step towards any code
+        def __reduce__(self):
+            return getattr, (torch.Size, "__init__")
+
+    (tmp_path / "reach").mkdir()
+    (tmp_path / "reach" / ".metadata").write_bytes(pickle.dumps(_ReachesAFunction()))
+    with pytest.raises(CheckpointError, match=r"reach/\.metadata: refused to unpickle builtins\.getattr"):
+        safe_unpickle.SafeFileSystemReader(str(tmp_path / "reach")).read_metadata()
+
+
+@pytest.mark.parametrize("damage", ["other bytes", "cut short"])
+def test_damaged_metadata_and_common_state_are_one_line_naming_the_file(tmp_path, damage):
+    from helpers import run_convert
+
+    def damaged(data: bytes) -> bytes:
+        return os.urandom(len(data)) if damage == "other bytes" else data[: len(data) // 2]
+
+    metadata = open(os.path.join(DATA, "mcore_torch_dist", "iter_0000003", ".metadata"), "rb").read()
+    ckpt = _with_metadata(tmp_path, "mcore_torch_dist", damaged(metadata))
+    code, _, err = run_convert("--model-type", "GPT", "--loader", "mcore", "--saver", "megatron_fsdp",
+                               "--load-dir", ckpt, "--save-dir", tmp_path / "out")
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and ".metadata is corrupt" in lines[0], err
+    # Megatron-Core's earlier layout: common.pt beside the DCP files.
+    common = _pickle([{"args": argparse.Namespace(num_layers=1)}])
+    older = _mcore_checkpoint(tmp_path / "older", [], "common.pt")
+    (common_pt,) = glob.glob(os.path.join(older, "iter_*", "common.pt"))
+    with open(common_pt, "wb") as f:
+        f.write(damaged(common))
+    code, _, err = run_convert("--model-type", "GPT", "--loader", "mcore", "--saver", "megatron_fsdp",
+                               "--load-dir", older, "--save-dir", tmp_path / "out")
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "common.pt is corrupt" in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
 def test_megatron_cores_own_types_load_without_megatron_core(monkeypatch):
     # Pickled as megatron-core pickles them (its module names, stood in here only while pickling),
     # then read with megatron-core absent.
@@ -127,7 +261,9 @@ def test_megatron_cores_own_types_load_without_megatron_core(monkeypatch):
     (common,) = safe_unpickle.load(io.BytesIO(blob), "common state", safe_unpickle.MEGATRON_CORE_GLOBALS)
     loaded = common["args"]
     assert (loaded.num_layers, loaded.params_dtype, common["iteration"]) == (2, torch.bfloat16, 7)
-    assert loaded.model_type.megatron_core_class == "megatron.core.enums.ModelType" and loaded.model_type.value == 1
+    assert loaded.model_type.megatron_core_class == "megatron.core.enums.ModelType"
+    # Pickled by value, or by name as torch 2.14's torch.save pickles every enum member.
+    assert vars(loaded.model_type) in ({"value": 1}, {"name": "encoder_or_decoder"}), vars(loaded.model_type)
     assert loaded.rng.tolist() == [0, 1, 2] and "megatron.core.enums" not in sys.modules
     # Our own checkpoints allow no Megatron-Core type: the same blob is refused there.
     with pytest.raises(CheckpointError, match="refused to unpickle argparse.Namespace"):

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from . import publish
 from .core import CheckpointError, describe, this_process_alone
 from .lazy_save import LazySavePlanner, as_planned
-from .safe_unpickle import MEGATRON_CORE_GLOBALS, SafeLoadPlanner, load as safe_load
+from .safe_unpickle import MEGATRON_CORE_GLOBALS, SafeFileSystemReader, SafeLoadPlanner, load as safe_load
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -108,8 +108,11 @@ class McoreReader:
                                   "distributed checkpoint") from exc
         if backend != "torch_dist":
             raise CheckpointError(f"{self.path}: sharded_backend {backend!r}; only torch_dist is read")
-        self._reader = dcp.FileSystemReader(self.path)
-        self._metadata = self._reader.read_metadata().state_dict_metadata
+        self._reader = SafeFileSystemReader(self.path)
+        try:
+            self._metadata = self._reader.read_metadata().state_dict_metadata
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot read its DCP metadata ({describe(exc)})") from None
         self.common = self._common()
         args = self.common.get("args")
         self.args = dict(vars(args)) if isinstance(args, argparse.Namespace) else dict(args or {})

@@ -25,7 +25,7 @@ from ..utils import is_distributed, unwrap_model
 from . import strided, vocab_padding
 from .checksums import ChecksumFileSystemWriter
 from .core import EXTRA_STATE_SUFFIX, CheckpointError, describe, this_process_alone
-from .safe_unpickle import SafeLoadPlanner
+from .safe_unpickle import SafeFileSystemReader, SafeLoadPlanner, open_checkpoint
 
 
 def _inner_optimizer(optimizer):
@@ -94,7 +94,7 @@ def read_entries(path: str, names: list[str]) -> dict:
     values = {name: b"" for name in names}
     try:
         with this_process_alone():
-            dcp.load(values, checkpoint_id=path, no_dist=True, planner=SafeLoadPlanner())
+            dcp.load(values, storage_reader=open_checkpoint(path), no_dist=True, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read "
                               f"{', '.join(names)} ({describe(exc)})") from exc
@@ -103,7 +103,9 @@ def read_entries(path: str, names: list[str]) -> dict:
 
 def read_metadata(path: str) -> dict:
     try:
-        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        return SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: cannot read its "
                               f"metadata ({exc})") from exc
@@ -153,7 +155,7 @@ def load_sharded(path: str, model: nn.Module, optimizer, state: dict, rows: dict
     try:
         alone = not is_distributed()
         with this_process_alone() if alone else contextlib.nullcontext():
-            dcp.load(state, checkpoint_id=path, planner=planner, no_dist=alone)
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=alone)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} is incomplete or corrupt: {describe(exc)}") from exc
     planner.strided_reads.finish()

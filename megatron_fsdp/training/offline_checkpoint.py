@@ -24,10 +24,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..dist_checkpointing import checksums, entries, publish
+from ..dist_checkpointing import checksums, entries, publish, torch_dcp
 from ..dist_checkpointing.checksums import ChecksumFileSystemWriter
 from ..dist_checkpointing.lazy_save import LazySavePlanner
 from ..dist_checkpointing.core import EXTRA_STATE_SUFFIX, CheckpointError, describe, this_process_alone
+from ..dist_checkpointing.safe_unpickle import SafeLoadPlanner, open_checkpoint
 from . import checkpointing as ckpt
 
 _FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
@@ -43,7 +44,7 @@ class CheckpointReader:
         self.path = found["path"]
         if verify:
             checksums.verify(self.path, found["manifest"] or {})
-        saved = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        saved = torch_dcp.read_metadata(self.path)
         common = ckpt._read_entries(self.path, saved, torch.nn.Module())
         if common.get("format") != ckpt.CKPT_FORMAT:
             raise CheckpointError(f"checkpoint {self.path} has format {common.get('format')!r}")
@@ -71,7 +72,7 @@ class CheckpointReader:
         out = {f"model.{name}": torch.empty(self.shape(name), dtype=self.dtype(name))}
         try:
             with this_process_alone():
-                dcp.load(out, checkpoint_id=self.path, no_dist=True)
+                dcp.load(out, storage_reader=open_checkpoint(self.path), no_dist=True, planner=SafeLoadPlanner())
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             raise CheckpointError(f"checkpoint {self.path}: cannot read {name} ({describe(exc)})") from exc
         tensor = out[f"model.{name}"]
