@@ -45,7 +45,7 @@ from ._process_groups import backend_device_type
 from .distributed.fsdp_plan import FSDPPlan, _materialization_device, _units, apply_fsdp_plan
 from .distributed.outer_sharding import OuterShardedOptimizerState
 from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params
-from .initialization import has_recorded_parameters, initialize_parameters
+from .initialization import has_recorded_parameters, initialize_parameters, unrecorded_parameters_of_layers
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 
@@ -259,6 +259,11 @@ def fully_shard_model(
         raise ValueError(f"fully_shard: init_model_with_meta_device={init_model_with_meta_device} but the module's "
                          f"parameters are {'on' if on_meta else 'not on'} the meta device: build it under "
                          "torch.device('meta') with True, on a device with False")
+    unknown = unrecorded_parameters_of_layers(module) if init_model_with_meta_device else []
+    if unknown:  # _materialize initializes megatron_fsdp's layers by their records alone
+        raise ValueError(f"fully_shard: init_model_with_meta_device=True cannot initialize {', '.join(unknown[:5])}"
+                         f"{' ...' if len(unknown) > 5 else ''}: megatron_fsdp layers that hold parameters of their "
+                         "own; create those in a submodule with reset_parameters(), or build the model on a device")
     outer = _strategy("outer_dp_sharding_strategy", outer_dp_sharding_strategy, STRATEGIES[:2])
     if outer == "optim":
         if dp_outer_dim is None:

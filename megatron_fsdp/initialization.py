@@ -174,6 +174,14 @@ def _unrecorded_parameters(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if id(p) not in recorded]
 
 
+def unrecorded_parameters_of_layers(model: nn.Module) -> list[str]:
+    """The parameters that megatron_fsdp layers (modules with recorded parameters) hold without a
+    record (a subclass's own): neither initialize_parameters nor the layer's reset knows them."""
+    recorded = {id(getattr(m, name)) for m in model.modules() for name in recorded_inits(m)}
+    return [f"{prefix}.{name}" if prefix else name for prefix, m in model.named_modules() if recorded_inits(m)
+            for name, p in m.named_parameters(recurse=False) if id(p) not in recorded]
+
+
 def has_recorded_parameters(module: nn.Module) -> bool:
     """Whether `module` itself declares how some of its parameters start (a megatron_fsdp layer)."""
     return bool(recorded_inits(module))

@@ -123,8 +123,21 @@ def test_bad_inputs_are_one_line_and_leave_nothing(tmp_path):
 
 def _garbled(hf_dir, how):
     """`hf_dir` (one model.safetensors) spoiled as a download goes wrong: the file that is spoiled."""
-    path = os.path.join(hf_dir, "config.json" if how == "config not JSON" else "model.safetensors")
-    if how == "random bytes":
+    path = os.path.join(hf_dir, {"config not JSON": "config.json", "index not a map": "model.safetensors.index.json"}
+                        .get(how, "model.safetensors"))
+    if how == "index not a map":
+        with open(path, "w") as f:
+            json.dump({"weight_map": ["model.safetensors"]}, f)
+    elif how == "a shape beyond any size":
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header, data = json.loads(f.read(size)), f.read()
+        name = next(n for n in header if n != "__metadata__")
+        header[name]["shape"] = [2 ** 62, 2 ** 62]
+        encoded = json.dumps(header).encode()
+        with open(path, "wb") as f:
+            f.write(len(encoded).to_bytes(8, "little") + encoded + data)
+    elif how == "random bytes":
         with open(path, "wb") as f:
             f.write(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0),
                                   dtype=torch.uint8).numpy().tobytes())
@@ -141,6 +154,8 @@ def _garbled(hf_dir, how):
     ("random bytes", "not a safetensors file: its header would be"),
     ("truncated", "truncated: tensor "),
     ("config not JSON", "not JSON (Expecting value"),
+    ("index not a map", "its weight_map is not an object of tensor names to file names"),
+    ("a shape beyond any size", "tensor "),  # its shape and its bytes disagree
 ])
 def test_a_broken_hugging_face_directory_is_one_line_naming_the_file_and_writes_nothing(tmp_path, how, says):
     _, hf_dir = _hf_dir(tmp_path, "llama")
@@ -150,6 +165,8 @@ def test_a_broken_hugging_face_directory_is_one_line_naming_the_file_and_writes_
                         expect_ok=False)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"convert.py: error: {spoiled}: {says}"), proc.stderr
+        if how == "a shape beyond any size":
+            assert f"its shape [{2 ** 62}, {2 ** 62}] and dtype" in lines[0]
         assert not target.exists()
 
 
@@ -170,7 +187,7 @@ def test_a_write_that_fails_midway_leaves_no_save_dir(tmp_path, monkeypatch):
                         expect_ok=False)
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "I/O error reading" in lines[0], proc.stderr
-        assert not target.exists()
+        assert not (tmp_path / "out").exists()  # nor the parent it created
 
 
 @pytest.mark.slow  # a pretrain() job in the worker pool

@@ -10,9 +10,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _without_nvcc(tmp_path, **env):
-    """An environment in which no nvcc is found: PATH without it, no CUDA_HOME, and the last
-    place looked in (/usr/local/cuda) moved to an empty directory."""
-    return {"HOME": os.environ.get("HOME", str(tmp_path)), "PATH": "/usr/bin:/bin",
+    """An environment in which no nvcc is found: PATH a directory of links to /usr/bin's and /bin's
+    commands but nvcc (a distribution's CUDA toolkit may install one there), no CUDA_HOME, and the
+    last place looked in (/usr/local/cuda) moved to an empty directory."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for directory in ("/usr/bin", "/bin"):
+        for name in os.listdir(directory):
+            if name != "nvcc" and not os.path.lexists(bin_dir / name):
+                os.symlink(os.path.join(directory, name), bin_dir / name)
+    return {"HOME": os.environ.get("HOME", str(tmp_path)), "PATH": str(bin_dir),
             "MEGATRON_FSDP_CUDA_DEFAULT_HOME": str(tmp_path / "no-cuda"), **env}
 
 

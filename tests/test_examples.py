@@ -160,6 +160,12 @@ def test_a_script_started_without_torchrun_says_how_to_start_it(monkeypatch, cap
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{script}: error: RANK and WORLD_SIZE are not set: start this "
                                                    f"script with torchrun, e.g. `torchrun --nproc-per-node N {path}"), err
+    # --help needs no launcher: it prints the flags.
+    monkeypatch.setattr(sys, "argv", [path, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(path, run_name="__main__")
+    out, err = capfd.readouterr()
+    assert exit_info.value.code == 0 and "--tensor-model-parallel-size" in out and err == "", err
 
 
 def test_a_bad_flag_is_silent_on_the_other_ranks_and_an_unknown_flag_is_one_line(monkeypatch, capfd):

@@ -298,6 +298,21 @@ def _case_one_initialization_through_both_apis() -> None:
     assert any(w.abs().sum() > 0 for w in weights["wrapper"].values())
     assert_close_dicts(weights["fully_shard"], weights["wrapper"], "weight", rtol=0, atol=0)
 
+    # A layer of ours holding a parameter of its own, which no record initializes: refused by name
+    # (it would keep to_empty()'s memory).
+    from megatron_fsdp.tensor_parallel import ColumnParallelLinear
+
+    class WithAScale(ColumnParallelLinear):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scale = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        model = nn.Sequential(WithAScale(8, 4, config=config, init_method=nn.init.zeros_))
+    with pytest.raises(ValueError, match=r"init_model_with_meta_device=True cannot initialize 0\.scale: "):
+        fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), init_model_with_meta_device=True,
+                    device=torch.device("cpu"))
+
 
 def test_a_meta_device_gpt_gets_the_same_weights_through_either_api(pools):
     pools(2).run(_case_one_initialization_through_both_apis)

@@ -79,6 +79,9 @@ def test_generation_from_a_checkpoint_at_another_tensor_parallel_size(tmp_path, 
         assert [code for code, _ in outcomes] == [0] * tp, "".join(out for _, out in outcomes)[-3000:]
         out = "".join(out for _, out in outcomes)
         assert "> prompt: '5 6 7 8'" in out
+        if tp == 1:  # where --seq-length came from, said once
+            assert out.count("> --use-checkpoint-args: --seq-length 16 from the checkpoint (none on the command "
+                             "line: give --seq-length for another)") == 1, out[-3000:]
         outputs.append([int(t) for t in re.search(r"> generated: '([\d ]*)'", out)[1].split()])
     assert outputs[0] == outputs[1], outputs
     counted_on = sum(token == previous + 1 for previous, token in zip([8] + outputs[0], outputs[0]))

@@ -232,7 +232,7 @@ def test_a_corrupt_checkpoint_is_one_line_that_names_the_file(reference, tmp_pat
             f.truncate(os.path.getsize(shard) // 2)
     outcomes = _failing(pools, 2, "--tensor-model-parallel-size", "2", "--load", ckpt, "--eval-iters", "0")
     assert_one_line_error_in_pool(outcomes, f"is corrupt: a file differs from what was saved: {shards[0]}: ")
-    assert "(and 1 more file(s), below)" in error_lines(outcomes[0][2] + outcomes[1][2])[0][3]
+    assert "(and 1 more file(s), in the full error)" in error_lines(outcomes[0][2] + outcomes[1][2])[0][3]
 
 
 @pytest.mark.slow  # a pretrain() job in the worker pool

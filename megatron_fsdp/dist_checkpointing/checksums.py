@@ -250,7 +250,8 @@ def verify(checkpoint: str, files: dict) -> None:
     found = sorted(p for share in all_gather_objects(problems) for p in share)
     if found:
         # The first line is what a job's one-line error shows: it names the first bad file.
-        more = f" (and {len(found) - 1} more file(s), below)" if len(found) > 1 else ""
+        # The rest follow in the full message (torchrun's error file, MEGATRON_FSDP_TRACEBACKS=1).
+        more = f" (and {len(found) - 1} more file(s), in the full error)" if len(found) > 1 else ""
         rest = "".join(f"\n  {p}" for p in found[1:10]) + ("\n  ..." if len(found) > 10 else "")
         raise CheckpointError(f"checkpoint {checkpoint} is corrupt: a file differs from what was saved: "
                               f"{found[0]}{more}{rest}")

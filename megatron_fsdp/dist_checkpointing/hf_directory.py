@@ -11,6 +11,7 @@ its bytes only, and writing holds one shard at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -63,7 +64,7 @@ class SafetensorsFile:
                 or not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets)):
             raise CheckpointError(f"{self.path}: tensor {name}'s header entry is malformed ({entry})")
         begin, end = offsets
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()  # any size
         if not 0 <= begin <= end or end - begin != nbytes:
             raise CheckpointError(f"{self.path}: tensor {name} spans bytes {begin}-{end}, its shape {shape} and "
                                   f"dtype {entry['dtype']} need {nbytes}")
@@ -128,6 +129,8 @@ class HFDirectory:
         index_path = os.path.join(path, INDEX)
         if os.path.isfile(index_path):
             weight_map = _read_json(index_path).get("weight_map") or {}
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index_path}: its weight_map is not an object of tensor names to file names")
             missing = sorted({file for file in weight_map.values() if not os.path.isfile(os.path.join(path, file))})
             if missing:
                 raise CheckpointError(f"{index_path} names {', '.join(missing)}, which {path} does not hold")

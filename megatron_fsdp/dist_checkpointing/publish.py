@@ -57,18 +57,23 @@ def write_atomic(path: str, data: bytes) -> None:
 
 @contextlib.contextmanager
 def output_directory(path: str):
-    """Inside: `path` exists (created if missing). If the body raises, a `path` created here is
-    removed again when it is still empty: a failed write leaves nothing where it was to go."""
-    created = not os.path.isdir(path)
+    """Inside: `path` exists (created if missing, with its missing parents). If the body raises,
+    the directories created here are removed again while they are empty: a failed write leaves
+    nothing where it was to go."""
+    created = []  # deepest first
+    missing = os.path.abspath(path)
+    while not os.path.isdir(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
     os.makedirs(path, exist_ok=True)
     try:
         yield path
     except BaseException:
-        if created:
+        for directory in created:
             try:
-                os.rmdir(path)  # only if empty
+                os.rmdir(directory)  # only if empty
             except OSError:
-                pass
+                break
         raise
 
 

@@ -45,13 +45,16 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
                 action.required = False
     args = p.parse_args(argv)
     if stored:
-        from .checkpointing import RUN_DEFAULT_ARGS
+        from .checkpointing import RUN_DEFAULT_ARGS  # here: checkpointing imports DCP, --help does not need it
     for name, value in (stored or {}).items():
-        if name in RUN_DEFAULT_ARGS and getattr(args, name, None) is not None:
+        given = getattr(args, name, value)
+        if name in RUN_DEFAULT_ARGS and given is not None:
             continue  # the command line's own, as Megatron-LM keeps it
-        if getattr(args, name, value) != value and int(os.environ.get("RANK", "0")) == 0:
-            print(f"> --use-checkpoint-args: --{name.replace('_', '-')} {value!r} from the checkpoint replaces "
-                  f"{getattr(args, name)!r}", flush=True)
+        if given != value and int(os.environ.get("RANK", "0")) == 0:
+            flag = f"--{name.replace('_', '-')}"
+            instead = (f"(none on the command line: give {flag} for another)" if name in RUN_DEFAULT_ARGS
+                       else f"replaces {given!r}")
+            print(f"> --use-checkpoint-args: {flag} {value!r} from the checkpoint {instead}", flush=True)
         setattr(args, name, value)
     _validate(p, args)
     return args

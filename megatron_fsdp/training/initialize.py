@@ -159,9 +159,12 @@ def check_launched_by_torchrun(store=None) -> None:
     """The example scripts run under torchrun, which starts their processes and gives each its
     RANK and WORLD_SIZE. Started by `python` alone they would fail later on a message about
     something else (the tensor-parallel size, torch's missing RANK): one line saying how to launch
-    them, exit code 2, before the flags are read. A caller with a store of its own passes it."""
+    them, exit code 2, before the flags are read (`--help` aside, which needs no launcher). A
+    caller with a store of its own passes it."""
     if store is not None or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return
+    if any(word in ("-h", "--help") for word in sys.argv[1:]):
+        return  # argparse prints the flags and exits
     script = sys.argv[0] or "examples/pretrain_gpt.py"
     print(f"{os.path.basename(script)}: error: RANK and WORLD_SIZE are not set: start this script with torchrun, "
           f"e.g. `torchrun --nproc-per-node N {script} <flags>` for N processes on this machine (1 or more; "
