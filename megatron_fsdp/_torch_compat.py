@@ -42,6 +42,7 @@ PRIVATE_NAMES = {
     "torch.distributed.distributed_c10d:_get_default_group": ALL,
     "torch.distributed.distributed_c10d:_get_default_store": ALL,
     "torch.distributed.distributed_c10d:_set_pg_timeout": ALL,
+    "torch.distributed:ProcessGroup._get_backend": ALL,
     "torch.distributed._functional_collectives:all_reduce": ALL,
     "torch.distributed._functional_collectives:all_gather_tensor": ALL,
     "torch.distributed._functional_collectives:reduce_scatter_tensor": ALL,
@@ -167,6 +168,17 @@ def set_group_timeout(group: dist.ProcessGroup, timeout: datetime.timedelta) -> 
     """Change an existing group's collective timeout (`distributed_c10d._set_pg_timeout`);
     public API sets it only when a group is created."""
     dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
+    """The collective timeout `group` was made with (its backend's options, `ProcessGroup._get_backend`),
+    or None where it cannot be read: public API has no getter."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
 
 
 def traced_collective(kind: str, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -170,27 +170,6 @@ def weights_changed_hooks(models) -> list:
     return [hook for _, hook in _registered(models, _WEIGHTS_CHANGED_HOOKS)]
 
 
-_CHECKPOINT_STATES = "checkpoint_states"
-
-
-def register_checkpoint_state(model: torch.nn.Module, name: str, state) -> None:
-    """`state` (an object with `state_dict()` and `load_state_dict(saved_or_None)`)
-    travels with every checkpoint of a model holding `model`, under `name`:
-    saved from rank 0 (it must be the same on every rank), given back on every
-    rank after the weights are loaded (None from a checkpoint without it)."""
-    model.__dict__.setdefault(_CHECKPOINT_STATES, {})[name] = state
-
-
-def checkpoint_states(models) -> dict:
-    """name -> state registered on any module of `models` (a module or a list)."""
-    found = {}
-    for name, state in _registered(models, _CHECKPOINT_STATES):
-        if name in found and found[name] is not state:
-            raise ValueError(f"two modules registered checkpoint state {name!r}")
-        found[name] = state
-    return found
-
-
 # ---------------------------------------------------------------- checks
 
 def check_positive_int(name: str, value, where: str = "") -> int:

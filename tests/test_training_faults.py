@@ -109,22 +109,27 @@ def _assert_saved_like_the_uninterrupted_run(stdout: str, ckpt: str, reference) 
 
 
 @pytest.mark.slow  # a pretrain() job in the worker pool
-def test_sigterm_to_one_rank_saves_and_every_rank_exits_zero(tmp_path, reference, pools):
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_sigterm_to_one_rank_saves_and_every_rank_exits_zero(tmp_path, reference, pools, save):
     """--exit-signal-handler with data loader worker processes (--num-workers 2), the job on the
     worker pool's ranks: rank 0 sends SIGTERM to rank 1 alone while both wait after iteration 3's
     step. Every rank saves after the same iteration and exits 0 (torchrun's part, and a signal from
-    outside the job: the test below)."""
+    outside the job: the test below). With --async-save the exit waits for the background write
+    and publishes it: the same checkpoint."""
     from pretrain_with_faults import signal_fault_job
 
     ckpt, faults = str(tmp_path / "ckpt"), tmp_path / "faults"
     faults.mkdir()
     outcomes = pools(NPROC).run(signal_fault_job, [*FLAGS, "--num-workers", "2", "--train-iters", "6",
-                                                   "--exit-signal-handler", "--save", ckpt], 1, 3, str(faults),
+                                                   "--exit-signal-handler", "--save", ckpt,
+                                                   *(["--async-save"] if save == "async" else [])], 1, 3, str(faults),
                                 timeout=400)
     stdout = "".join(out for _, out in outcomes)
     assert [code for code, _ in outcomes] == [0] * NPROC, stdout[-3000:]
     assert sorted(p.name for p in faults.iterdir()) == ["go", "pid_0", "pid_1", "received_1"]
     _assert_saved_like_the_uninterrupted_run(stdout, ckpt, reference)
+    if save == "async":
+        assert re.search(r"> saved checkpoint at iteration 3 to \S+ \(blocking [\d.]+ s, background write", stdout)
 
 
 def _signal_job(mode: str, pids: dict[int, int], launcher: int) -> list[int]:

@@ -2,9 +2,9 @@
 
 The bytes are checksummed as they are written: DCP's FileSystemWriter gets
 a file system whose streams pass every write through the checksum, so a
-save reads nothing twice. Each rank records the files it wrote; rank 0
-gathers them into `checksums.json` inside the checkpoint before it is
-published. On load the ranks split the files between them, and a mismatch
+save reads nothing twice. Each rank records the files it wrote, and DCP's
+own gather brings them to the coordinator, which writes them into
+`checksums.json` inside the checkpoint before it is published (writer.py). On load the ranks split the files between them, and a mismatch
 is raised on every rank, naming the file.
 
 The algorithm is CRC-32C when the megatron_fsdp extension is built (the
@@ -25,10 +25,8 @@ import os
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Optional
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..utils import all_gather_objects, get_rank_safe, get_world_size_safe
@@ -139,7 +137,9 @@ class _ChecksumStream:
         return True
 
 
-class _ChecksumFileSystem(FileSystem):
+class ChecksumFileSystem(FileSystem):
+    """DCP's file system, recording {file name: checksum entry} of every file written through it into `record`."""
+
     def __init__(self, root: str, record: dict):
         super().__init__()
         self._root, self._record = root, record
@@ -163,15 +163,6 @@ class _ChecksumFileSystem(FileSystem):
         entry = self._record.pop(self._name(path), None)
         if entry is not None:
             self._record[self._name(new_path)] = entry
-
-
-class ChecksumFileSystemWriter(FileSystemWriter):
-    """DCP's FileSystemWriter, recording {file name: checksum entry} of every
-    file it writes into `record`."""
-
-    def __init__(self, path: str, record: dict, **kwargs):
-        super().__init__(path, **kwargs)
-        self.fs = _ChecksumFileSystem(str(Path(path)), record)
 
 
 def write_manifest(checkpoint: str, per_rank: list[dict]) -> None:

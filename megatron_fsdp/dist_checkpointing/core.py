@@ -31,14 +31,21 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not fit the model."""
 
 
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` as one printable line of at most about `limit` characters: a message quoting a
+    damaged file's bytes (a parser's error) must not break the one-line error."""
+    text = "".join(c if c.isprintable() else "?" for c in " ".join(str(text).split()))
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def describe(exc: BaseException) -> str:
     """One line per failing rank: DCP's own message is whole tracebacks."""
     if not isinstance(exc, CheckpointException):
-        return f"{type(exc).__name__}: {exc}"
+        return one_line(f"{type(exc).__name__}: {exc}")
     lines = []
     for r, failure in sorted(exc.failures.items()):
         cause = failure[0] if isinstance(failure, tuple) else failure
-        lines.append(f"rank {r}: {type(cause).__name__}: {cause}")
+        lines.append(one_line(f"rank {r}: {type(cause).__name__}: {cause}"))
     return "; ".join(lines) or "DCP reported a failure without details"
 
 

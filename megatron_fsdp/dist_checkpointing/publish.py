@@ -77,8 +77,28 @@ def output_directory(path: str):
         raise
 
 
-def temp_dir_for(final: str) -> str:
-    return f"{final}.tmp-{_RUN_ID}-{uuid.uuid4().hex[:8]}"
+def run_id() -> str:
+    """This process's name for the directories its saves create (the manager shares rank 0's)."""
+    return _RUN_ID
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """Megatron's name of a checkpoint: <root>/iter_0000100."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def is_complete(path: str) -> bool:
+    """A checkpoint directory whose save finished: DCP writes its .metadata after every rank's
+    data; format 2 wrote common.pt last."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and (
+        os.path.isfile(os.path.join(path, "common.pt")) or not os.path.isdir(os.path.join(path, "rng")))
+
+
+def temp_dir_for(final: str, run: Optional[str] = None, number: Optional[int] = None) -> str:
+    """Where `final` is written before it is published: named by the run (`run`, this
+    process's by default) and, for a name every rank computes alike, the save's `number`."""
+    suffix = uuid.uuid4().hex[:8] if number is None else str(number)
+    return f"{final}.tmp-{run or _RUN_ID}-{suffix}"
 
 
 def set_aside_copies(final: str) -> list[str]:
@@ -89,7 +109,7 @@ def set_aside_copies(final: str) -> list[str]:
     return sorted(found, key=os.path.getmtime)
 
 
-def clean_stale(parent: str, is_complete: Callable[[str], bool]) -> None:
+def clean_stale(parent: str, is_complete: Callable[[str], bool], run: Optional[str] = None) -> None:
     """Remove what crashed publishes of earlier runs left in `parent` (call on
     one rank). This run's own names belong to a save in progress. A set-aside
     copy whose final directory is missing is the only copy (the crash came
@@ -97,7 +117,7 @@ def clean_stale(parent: str, is_complete: Callable[[str], bool]) -> None:
     for entry in sorted(os.listdir(parent)):
         match = _ASIDE.fullmatch(entry)
         path = os.path.join(parent, entry)
-        if match is None or not os.path.isdir(path) or match.group(3).startswith(f"{_RUN_ID}-"):
+        if match is None or not os.path.isdir(path) or match.group(3).startswith(f"{run or _RUN_ID}-"):
             continue
         final = os.path.join(parent, match.group(1))
         if match.group(2) == "old" and not os.path.exists(final) and is_complete(path):
@@ -108,6 +128,11 @@ def clean_stale(parent: str, is_complete: Callable[[str], bool]) -> None:
 
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron's: the latest iteration's number
+
+
+def write_tracker(save_dir: str, iteration: int) -> None:
+    """Name `iteration` the latest checkpoint of `save_dir` (atomically, durably)."""
+    write_atomic(os.path.join(save_dir, TRACKER_FILENAME), f"{iteration}\n".encode())
 
 
 def read_tracker(load_dir: str) -> Optional[int]:

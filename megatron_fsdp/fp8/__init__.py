@@ -34,9 +34,9 @@ histories are each converted linear's module state (`get_extra_state`), so
 they travel in the model's state dict and its DCP checkpoints like any other
 module state; the converter's load_state_dict post-hook recomputes the weight
 scales from loaded weights (a collective, on every rank). Checkpoints written
-before kept the histories under common.pt's "fp8": the converter registers a
-reader for them (utils.register_checkpoint_state). The optimizer, the wrapper
-and the checkpoint code only run what the converter registered.
+before kept the histories in an "fp8" entry (common.pt's): the checkpoint
+loader's migration step reads them into the model (load_fp8_state_dict).
+The optimizer and the wrapper only run what the converter registered.
 """
 
 from ..fp8_utils import check_fp8_param_gather

@@ -24,11 +24,11 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_compat, parallel_state
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..transformer.transformer_layer import TransformerLayer
-from ..utils import register_checkpoint_state, register_post_step_hook, register_weights_changed_hook
+from ..utils import register_post_step_hook, register_weights_changed_hook
 from .gemm import check_rowwise_support
 from .linear import Fp8LinearState, _fp8_linears, check_fp8_weight_shape, fp8_linear
 from .recipe import Fp8Recipe, layer_runs_fp8
-from .refresh import load_fp8_state_dict, refresh_fp8_scales, refresh_fp8_weight_scales
+from .refresh import refresh_fp8_scales, refresh_fp8_weight_scales
 from .weight import Fp8TrainingWeight, Fp8WeightMeta, is_fp8_training_weight
 
 
@@ -127,23 +127,6 @@ def linears_to_convert(model: nn.Module, config) -> list[tuple[str, nn.Module]]:
     return found
 
 
-class Fp8HistoriesOfOlderCheckpoints:
-    """Checkpoints written before the histories became module state kept them
-    in common.pt under "fp8": this reads them (a collective, every rank) into
-    the model just loaded. It writes nothing: newer checkpoints hold the
-    histories in the model's own state dict (Fp8Linear.get_extra_state)."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def state_dict(self) -> None:
-        return None
-
-    def load_state_dict(self, state: Optional[dict]) -> None:
-        if state:
-            load_fp8_state_dict(self.model, state)
-
-
 def _refresh_weight_scales_after_load(model: nn.Module, incompatible_keys) -> None:
     # torch's load_state_dict post-hook: loaded weights need their fp8 scales (a
     # collective: every rank loads). Runs for any load into the model, a DCP
@@ -172,7 +155,6 @@ def convert_to_fp8(model: nn.Module, config=None) -> int:
             # So does a load (the histories load as the linears' extra state) or a broadcast.
             model.register_load_state_dict_post_hook(_refresh_weight_scales_after_load)
             register_weights_changed_hook(model, "fp8", lambda: refresh_fp8_weight_scales(model))
-            register_checkpoint_state(model, "fp8", Fp8HistoriesOfOlderCheckpoints(model))
             model._fp8_hooks_registered = True
     if getattr(config, "fp8", None) is not None:
         for m in model.modules():

@@ -135,6 +135,10 @@ def _checkpointing(p) -> None:
     a("--load", default=None, help="directory to resume from (its latest checkpoint)")
     a("--save-interval", type=int, default=None, help="iterations between checkpoints")
     a("--ckpt-format", default="torch_dcp", help="checkpoint format (torch_dcp only)")
+    a("--async-save", action="store_true",
+      help="write checkpoints in the background: training stalls only while the state is copied to CPU memory")
+    a("--use-persistent-ckpt-worker", action="store_true",
+      help="(Megatron-LM's companion of --async-save, implied by it: the background writer lives for the run)")
     a("--no-load-optim", action="store_true", help="do not load the optimizer state")
     a("--no-load-rng", action="store_true", help="do not load the RNG states")
     a("--exit-on-missing-checkpoint", action="store_true", help="stop when --load holds no checkpoint")

@@ -126,6 +126,9 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error(f"--ckpt-format {args.ckpt_format} is not supported: megatron_fsdp writes torch_dcp")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         parser.error("--save-interval needs --save and a value >= 1")
+    if args.async_save and not args.save:
+        parser.error("--async-save needs --save")
+    args.use_persistent_ckpt_worker = args.use_persistent_ckpt_worker or args.async_save  # Megatron needs both
     if not args.use_torch_fsdp2 and (args.torch_fsdp2_no_reshard_after_forward
                                      or args.torch_fsdp2_accumulate_unsharded_grads
                                      or args.torch_fsdp2_copy_kernels is not None

@@ -13,21 +13,24 @@ Layout, Megatron's names:
                                                     extra state (consumed samples, flags)
             opt_param_scheduler, grad_scaler        the LR scheduler, the fp16 loss scaler
             rng.rank_00003                          each rank's RNG states
-            <name>                                  what the model registered (utils.register_checkpoint_state)
+            <name>                                  a state registered with the checkpoint manager
         checksums.json                            checksum (crc32c, or zlib crc32 without the extension) and size of every file above
 
-Each non-tensor entry is one checksummed blob (dist_checkpointing.entries),
-taken from an object with state_dict() (the scheduler, the loss scaler, ...):
-save_checkpoint is prepare the directory, one dcp.save of the dict through
-the checksumming writer, publish. Checkpoints of format 2 (the same DCP
-tensors, the entries in common.pt and rng/rank_*.pt) still load. A gated
-fc1 is stored as its full [gate; up] tensor (format 4); formats 2 and 3
-stored its rows interleaved and load converted (dist_checkpointing.strided).
+The dict is one of `Stateful` entries (dist_checkpointing.states), each
+non-tensor entry one checksummed blob (dist_checkpointing.entries):
+save_checkpoint builds it and hands it to the process's checkpoint manager
+(dist_checkpointing.manager), which makes one DCP save of it, synchronous
+or, with --async-save, in the background. Checkpoints of format 2 (the
+same DCP tensors, the entries in common.pt and rng/rank_*.pt) and 3 load
+through one migration step (_migrate). A gated fc1 is stored as its full
+[gate; up] tensor (format 4); formats 2 and 3 stored its rows interleaved
+and load converted (dist_checkpointing.strided).
 
-A checkpoint is written into `iter_XXXXXXX.tmp-<run>-<id>` and published by
-rename once every rank finished writing and rank 0 wrote the checksum
-manifest; the tracker is replaced after that (see dist_checkpointing.publish).
-A save that dies part-way leaves the previous checkpoint as the latest.
+A checkpoint is written into `iter_XXXXXXX.tmp-<run>-<n>` and published by
+rename once every rank finished writing and the checksum manifest is
+written (both in DCP's finish step, dist_checkpointing.writer); the tracker
+is replaced after that (see dist_checkpointing.publish). A save that dies
+part-way leaves the previous checkpoint as the latest.
 
 Loading: rank 0 alone reads the tracker and the manifest and broadcasts what
 it found, so every rank loads the same iteration; the DCP metadata is
@@ -52,26 +55,23 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import random
-import shutil
 import types
 from typing import Callable, Optional
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import parallel_state
-from ..utils import (broadcast_from_rank0, checkpoint_states, gather_to_rank0, get_rank_safe, get_world_size_safe,
-                     unwrap_model)
-from ..dist_checkpointing import checksums, core, entries, publish, torch_dcp
+from ..utils import broadcast_from_rank0, get_rank_safe, get_world_size_safe, unwrap_model
+from ..dist_checkpointing import checksums, core, entries, publish, states, torch_dcp
 from ..dist_checkpointing.core import CheckpointError
 from ..dist_checkpointing.export import export_safetensors
+from ..dist_checkpointing.manager import get_checkpoint_manager
 from ..dist_checkpointing.vocab_padding import vocab_param_names
-from ..tensor_parallel import random as tp_random
 
-__all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "export_safetensors", "load_checkpoint",
-           "load_training_checkpoint", "read_latest_iteration", "save_checkpoint", "save_training_checkpoint"]
+__all__ = ["CheckpointError", "TRACKER_FILENAME", "checkpoint_dir", "checkpoint_states", "export_safetensors",
+           "load_checkpoint", "load_training_checkpoint", "read_latest_iteration", "save_checkpoint",
+           "save_training_checkpoint"]
 
 TRACKER_FILENAME = publish.TRACKER_FILENAME
 CKPT_FORMAT = "torch_dcp"
@@ -83,12 +83,11 @@ _COMMON = "common.pt"  # format 2: the non-tensor entries, rng/ the RNG states
 # Verified before anything else is read: what the checkpoint says about itself.
 _HEAD_FILES = (_METADATA, _COMMON)
 _TRAIN_STATE = "train_state"
+_LEGACY_FP8 = "fp8"  # the fp8 scaling histories, before they were module state (Fp8Linear's extra state)
 
 logger = logging.getLogger(__name__)
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+checkpoint_dir = publish.checkpoint_dir
+_is_complete = publish.is_complete
 
 
 def _layout() -> dict:
@@ -111,24 +110,7 @@ def _same_ranks(saved: dict, now: dict) -> bool:
     return all(saved.get(k, 1 if k == "context_parallel_size" else None) == now.get(k, 1) for k in keys)
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch_cpu": torch.get_rng_state(),
-             "tracker": tp_random.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch_cpu"])
-    tp_random.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _rng_key(rank: int) -> str:
-    return f"rank_{rank:05d}"
+_rng_key = states.rng_key
 
 
 def _rng_name(rank: int) -> str:  # format 2
@@ -140,17 +122,6 @@ _OWN_ENTRIES = ("model", "optimizer", "main_params", _TRAIN_STATE, "opt_param_sc
 _TRAIN_STATE_KEYS = ("iteration", "format", "version", "layout", "vocab", "extra_state")
 
 
-def _model_states(model) -> dict:
-    """The states the model registered to travel with it (utils.register_checkpoint_state),
-    each an entry under its name beside the checkpoint's own."""
-    states = {name: state.state_dict() for name, state in checkpoint_states(model).items()}
-    states = {name: value for name, value in states.items() if value is not None}  # None: nothing to write
-    clash = sorted(set(states) & set(_OWN_ENTRIES + _TRAIN_STATE_KEYS))
-    if clash:
-        raise ValueError(f"checkpoint state registered as {clash} would overwrite the checkpoint's own entries")
-    return states
-
-
 def _grad_scaler_state(optimizer) -> Optional[dict]:
     scaler = getattr(optimizer, "grad_scaler", None)
     if scaler is None:
@@ -158,12 +129,6 @@ def _grad_scaler_state(optimizer) -> Optional[dict]:
     # The scale lives on the training device; on the CPU it loads anywhere.
     return {key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
             for key, value in scaler.state_dict().items()}
-
-
-def _is_complete(path: str) -> bool:
-    # DCP writes its metadata after every rank's data; common.pt came last in format 2.
-    return os.path.isfile(os.path.join(path, _METADATA)) and (
-        os.path.isfile(os.path.join(path, _COMMON)) or not os.path.isdir(os.path.join(path, "rng")))
 
 
 # ---------------------------------------------------------------------- save
@@ -176,44 +141,49 @@ def train_state(iteration: int, layout: dict, true_vocab_size: Optional[int], vo
             "vocab": {"true_vocab_size": true_vocab_size, "params": vocab_params}, "extra_state": extra_state}
 
 
-def publish_checkpoint(tmp: str, final: str, iteration: int, per_rank: Optional[list]) -> None:
-    """Rank 0's last step of a save: the checksum manifest of `per_rank`'s records (None: no
-    manifest), the rename of `tmp` to `final`, then the tracker."""
-    if per_rank is not None:
-        checksums.write_manifest(tmp, per_rank)
-    tracker = os.path.join(os.path.dirname(final), TRACKER_FILENAME)
-    publish.publish(tmp, final, then=lambda: publish.write_atomic(tracker, f"{iteration}\n".encode()))
-
-
-def _states_to_save(iteration: int, model: nn.Module, optimizer, opt_param_scheduler, extra_state: Optional[dict],
-                    true_vocab_size: Optional[int]) -> dict:
-    """The one DCP dict of a checkpoint: the tensors as shards, every other entry one blob
-    (the same on every rank, which DCP then writes once, except each rank's RNG states)."""
-    states = torch_dcp.sharded_state(model, optimizer)
+def checkpoint_states(iteration: int, model: nn.Module, optimizer=None, opt_param_scheduler=None, *,
+                      extra_state: Optional[dict] = None, true_vocab_size: Optional[int] = None,
+                      extra_states: Optional[dict] = None) -> dict:
+    """The one dict of Stateful entries a checkpoint is (see the module's docstring): the
+    tensors as shards, every other entry one blob (the same on every rank, which DCP then
+    writes once, except each rank's RNG states). `extra_states` ({name: object with
+    state_dict() and load_state_dict()}) adds entries of a caller's own."""
+    found = torch_dcp.tensor_states(model, optimizer)
     own = {
-        _TRAIN_STATE: train_state(iteration, _layout(), true_vocab_size, vocab_param_names(unwrap_model(model)),
-                                  extra_state or {}),
-        "opt_param_scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler else None,
+        _TRAIN_STATE: states.Value(train_state(iteration, _layout(), true_vocab_size,
+                                               vocab_param_names(unwrap_model(model)), extra_state or {})),
+        "opt_param_scheduler": opt_param_scheduler,
         "grad_scaler": _grad_scaler_state(optimizer),
-        **_model_states(model),
     }
-    states.update({name: entries.pack(value) for name, value in own.items() if value is not None})
-    states["rng"] = {_rng_key(get_rank_safe()): entries.pack(_rng_state())}
-    return states
+    if own["grad_scaler"] is not None:
+        own["grad_scaler"] = states.Value(own["grad_scaler"])
+    clash = sorted(set(extra_states or {}) & set(_OWN_ENTRIES + _TRAIN_STATE_KEYS))
+    if clash:
+        raise ValueError(f"checkpoint state {clash} would overwrite the checkpoint's own entries")
+    own.update(extra_states or {})
+    found.update({name: states.EntryState(value) for name, value in own.items() if value is not None})
+    found["rng"] = states.RNGState(_rng_key(get_rank_safe()))
+    return found
 
 
 def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_scheduler=None,
                     save_dir: str = None, *, extra_state: Optional[dict] = None,
-                    true_vocab_size: Optional[int] = None, record_checksums: bool = True) -> str:
+                    true_vocab_size: Optional[int] = None, record_checksums: bool = True,
+                    extra_states: Optional[dict] = None) -> str:
     """Save model, optimizer (its loss scaler included), scheduler, RNG
     states, `iteration` and `extra_state` under `save_dir`; every rank
     writes its own shards and must call this. Returns the checkpoint's path.
+    One DCP save through the process's checkpoint manager (with
+    --async-save, in the background: published later, see
+    dist_checkpointing.manager); no collective of its own.
 
     `extra_state` holds the caller's training state as plain Python values
     (consumed samples, args as a dict, ...; it is loaded with
     torch.load(weights_only=True)) and comes back as load_checkpoint's
     "extra_state". `true_vocab_size` is the vocabulary before padding: with
     it recorded, a load at another TP size (another padding) works.
+    `extra_states` adds entries of the caller's own (objects with
+    state_dict() and load_state_dict(); give the same to load_checkpoint).
     `record_checksums=False` writes no checksum manifest (for measurements).
     A failure on any rank raises CheckpointError on every rank, naming the
     rank and the reason; the previous checkpoint stays the latest.
@@ -224,50 +194,11 @@ def save_checkpoint(iteration: int, model: nn.Module, optimizer=None, opt_param_
         raise ValueError("save_dir is required")
     if true_vocab_size is not None and (not isinstance(true_vocab_size, int) or true_vocab_size < 1):
         raise ValueError(f"true_vocab_size must be a positive int, got {true_vocab_size!r}")
-    final = checkpoint_dir(save_dir, iteration)
-    tmp, setup_error = None, None
-    if get_rank_safe() == 0:
-        try:
-            os.makedirs(save_dir, exist_ok=True)
-            publish.clean_stale(save_dir, _is_complete)
-            tmp = publish.temp_dir_for(final)
-            # Before any rank writes into it: the broadcast below orders the two.
-            os.makedirs(tmp)
-        except OSError as exc:
-            setup_error = f"{type(exc).__name__}: {exc}"
-    tmp, setup_error = broadcast_from_rank0((tmp, setup_error))
-    if setup_error:
-        raise CheckpointError(f"saving checkpoint {final} failed on rank 0: {setup_error}")
-
-    record = {} if record_checksums else None
-    failed = f"saving checkpoint {final} failed, the previous checkpoint is kept"
-    error, states = None, None
-    try:
-        try:
-            states = _states_to_save(iteration, model, optimizer, opt_param_scheduler, extra_state, true_vocab_size)
-        except Exception as exc:
-            error = exc
-        core.raise_if_any_failed(error, failed)  # every rank enters the collective save, or none
-        try:
-            torch_dcp.save_sharded(states, tmp, record, model)  # DCP fsyncs its files; publish() the directory
-        except (Exception, CheckpointException) as exc:  # DCP reports a failed rank to all ranks
-            error = exc
-        core.raise_if_any_failed(error, failed)
-    except CheckpointError:
-        if get_rank_safe() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-    per_rank = gather_to_rank0(record)
-    publish_error = None
-    if get_rank_safe() == 0:
-        try:
-            publish_checkpoint(tmp, final, iteration, per_rank if record is not None else None)
-        except OSError as exc:
-            publish_error = CheckpointError(f"rank 0: {type(exc).__name__}: {exc}")
-            shutil.rmtree(tmp, ignore_errors=True)
-    core.raise_if_any_failed(publish_error, f"publishing checkpoint {final} failed")
-    return final
+    found = checkpoint_states(iteration, model, optimizer, opt_param_scheduler, extra_state=extra_state,
+                              true_vocab_size=true_vocab_size, extra_states=extra_states)
+    get_checkpoint_manager().save(iteration, found, save_dir, strided_model=unwrap_model(model),
+                                  record_checksums=record_checksums)
+    return checkpoint_dir(save_dir, iteration)
 
 
 # ---------------------------------------------------------------------- load
@@ -323,9 +254,9 @@ def _resolve(load_dir: str, iteration: Optional[int], verify: bool) -> dict:
     return {"missing": None, "path": path, "manifest": manifest}
 
 
-def _read_entries(path: str, saved: dict, model: nn.Module) -> dict:
+def _read_entries(path: str, saved: dict, extra_names) -> dict:
     """The non-tensor entries, in one dict: the train state's keys, "opt_param_scheduler",
-    "grad_scaler" and what the model registered (None where the checkpoint has none)."""
+    "grad_scaler" and the `extra_names` (None where the checkpoint has none)."""
     if os.path.isfile(os.path.join(path, _COMMON)):  # format 2: common.pt held them all
         try:
             return torch.load(os.path.join(path, _COMMON), weights_only=True)
@@ -338,17 +269,17 @@ def _read_entries(path: str, saved: dict, model: nn.Module) -> dict:
                                   "that with --finetune")
         raise CheckpointError(f"checkpoint {path} has neither a {_TRAIN_STATE} entry nor {_COMMON}: not a "
                               "checkpoint of this format")
-    names = [n for n in (_TRAIN_STATE, "opt_param_scheduler", "grad_scaler", *checkpoint_states(model)) if n in saved]
+    names = [n for n in (_TRAIN_STATE, "opt_param_scheduler", "grad_scaler", _LEGACY_FP8, *extra_names) if n in saved]
     blobs = torch_dcp.read_entries(path, names)
     found = {name: entries.unpack(blob, f"checkpoint {path}: its {name} entry") for name, blob in blobs.items()}
     train_state = found.pop(_TRAIN_STATE)
     return {"opt_param_scheduler": None, "grad_scaler": None, **found, **train_state}
 
 
-def _read_common(path: str, model: nn.Module, optimizer, opt_param_scheduler, load_optim: bool) -> tuple[dict, dict]:
+def _read_common(path: str, optimizer, opt_param_scheduler, load_optim: bool, extra_names) -> tuple[dict, dict]:
     """The non-tensor entries and the DCP metadata, checked against what is to be loaded."""
     saved = torch_dcp.read_metadata(path)
-    common = _read_entries(path, saved, model)
+    common = _read_entries(path, saved, extra_names)
     if common.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"checkpoint {path} has format {common.get('format')!r}, expected {CKPT_FORMAT!r}")
     if common.get("version", 2) > _FORMAT_VERSION:
@@ -435,7 +366,8 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
                     iteration: Optional[int] = None, load_optim: bool = True, load_rng: bool = True,
                     true_vocab_size: Optional[int] = None, verify: bool = True,
                     exit_on_missing_checkpoint: bool = False,
-                    check_extra_state: Optional[Callable[[dict], None]] = None) -> dict:
+                    check_extra_state: Optional[Callable[[dict], None]] = None,
+                    extra_states: Optional[dict] = None) -> dict:
     """Load the latest checkpoint (or `iteration`) from `load_dir` into the
     model, optimizer and scheduler, resharding to the current layout. Every
     rank must call this.
@@ -450,6 +382,10 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
     (--no-verify-checkpoint) skips the checksum verification.
     `check_extra_state(extra_state)` may raise CheckpointError to refuse
     the checkpoint before any shard is read (the training flags, say).
+
+    `extra_states` ({name: object with load_state_dict()}) gets the entries
+    save_checkpoint's `extra_states` wrote (None from a checkpoint without
+    one), after the model is loaded.
 
     The scheduler's schedule is checked against the checkpoint's before any
     shard is read too (a change needs the scheduler's
@@ -468,63 +404,98 @@ def load_checkpoint(model: nn.Module, optimizer=None, opt_param_scheduler=None, 
         raise ValueError("load_dir is required")
     found = _on_rank0(_resolve, load_dir, iteration, verify)
     if found["missing"]:
-        if exit_on_missing_checkpoint:
-            raise CheckpointError(f"{found['missing']}; --exit-on-missing-checkpoint stops here instead "
-                                  "of training from scratch")
-        return {"iteration": 0, "extra_state": {}, "rng_restored": False, "path": None,
-                "missing": found["missing"], "padded_vocab_size": None}
-    path = found["path"]
-    manifest = found["manifest"] or {}
-    head = {name: entry for name, entry in manifest.items() if name in _HEAD_FILES}
-    if verify:
-        checksums.verify(path, head)
+        return _nothing_to_load(found["missing"], exit_on_missing_checkpoint)
+    path, manifest = found["path"], (found["manifest"] or {}) if verify else None
+    # What the checkpoint says about itself (the DCP metadata and the non-tensor entries, a few
+    # kilobytes) is verified and checked first: a refusal costs no read of a tensor.
+    _verify(path, manifest, head=True)
+    common, saved = _agreed(path, _read_and_check, path, optimizer, opt_param_scheduler, load_optim,
+                            check_extra_state, extra_states)
+    _verify(path, manifest, head=False)
+    plan = _agreed(path, _plan_load, path, model, optimizer, common, saved, load_optim, load_rng, true_vocab_size)
+    _migrate(path, model, optimizer, common, plan)
+    _apply_entries(common, plan, optimizer, opt_param_scheduler, load_optim, extra_states)
+    return {"iteration": common["iteration"], "extra_state": common["extra_state"],
+            "rng_restored": plan["rng"] is not None, "path": path, "missing": None,
+            "padded_vocab_size": plan["padded"]}
 
-    # What the checkpoint says about itself (the DCP metadata and the non-tensor entries,
-    # a few kilobytes) is checked first: a refusal costs no read of a tensor.
-    error, common, saved = None, None, None
+
+def _nothing_to_load(missing: str, exit_on_missing_checkpoint: bool) -> dict:
+    if exit_on_missing_checkpoint:
+        raise CheckpointError(f"{missing}; --exit-on-missing-checkpoint stops here instead of training from scratch")
+    return {"iteration": 0, "extra_state": {}, "rng_restored": False, "path": None, "missing": missing,
+            "padded_vocab_size": None}
+
+
+def _verify(path: str, manifest: Optional[dict], head: bool) -> None:
+    """Checksums of the head files (the metadata, common.pt) or of the rest; the ranks split the files."""
+    if manifest is not None:
+        checksums.verify(path, {name: entry for name, entry in manifest.items() if (name in _HEAD_FILES) == head})
+
+
+def _agreed(path: str, step, *args):
+    """`step(*args)` on every rank, and one verdict: a CheckpointError on any rank raises on all."""
+    error, result = None, None
     try:
-        common, saved = _read_common(path, model, optimizer, opt_param_scheduler, load_optim)
-        if check_extra_state is not None:
-            check_extra_state(common["extra_state"])
-        if load_optim and opt_param_scheduler is not None:
-            _check_scheduler(opt_param_scheduler, common["opt_param_scheduler"])
+        result = step(*args)
     except CheckpointError as exc:
         error = exc
     core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
-    if verify:
-        checksums.verify(path, {name: entry for name, entry in manifest.items() if name not in head})
+    return result
 
-    error, restore_rng, rng_state = None, False, None
-    rng_key, rng_path = f"rng.{_rng_key(get_rank_safe())}", os.path.join(path, _rng_name(get_rank_safe()))
-    try:
-        scaler_state = _grad_scaler_to_load(path, common, optimizer, load_optim)
-        state, rows, kept = torch_dcp.prepare_load(path, model, optimizer if load_optim else None, saved,
-                                                   common.get("vocab", {}).get("true_vocab_size"), true_vocab_size)
-        restore_rng = load_rng and _same_ranks(common["layout"], _layout())
-        if restore_rng:  # read now (no tensor): a missing or damaged one stops every rank before the load
-            rng_state = _read_rng_state(path, saved, rng_key, rng_path)
-    except CheckpointError as exc:
-        error = exc
-    core.raise_if_any_failed(error, f"loading checkpoint {path} failed")
 
-    padded = _padded_vocab_sizes(model, saved, state)
+def _read_and_check(path: str, optimizer, opt_param_scheduler, load_optim: bool, check_extra_state,
+                    extra_states: Optional[dict]) -> tuple[dict, dict]:
+    common, saved = _read_common(path, optimizer, opt_param_scheduler, load_optim, extra_states or {})
+    if check_extra_state is not None:
+        check_extra_state(common["extra_state"])
+    if load_optim and opt_param_scheduler is not None:
+        _check_scheduler(opt_param_scheduler, common["opt_param_scheduler"])
+    return common, saved
+
+
+def _plan_load(path: str, model: nn.Module, optimizer, common: dict, saved: dict, load_optim: bool, load_rng: bool,
+               true_vocab_size: Optional[int]) -> dict:
+    """What the load reads and applies, every check that can fail done: the loss-scaler state,
+    the tensor entries and their targets, the vocabulary rows, this rank's RNG states."""
+    plan = {"scaler": _grad_scaler_to_load(path, common, optimizer, load_optim), "rng": None}
+    plan["states"], plan["targets"], plan["rows"] = torch_dcp.prepare_load(
+        path, model, optimizer if load_optim else None, saved, common.get("vocab", {}).get("true_vocab_size"),
+        true_vocab_size)
+    plan["padded"] = _padded_vocab_sizes(model, saved, plan["targets"])
+    if load_rng and _same_ranks(common["layout"], _layout()):
+        # read now (no tensor): a missing or damaged one stops every rank before the load
+        rank = get_rank_safe()
+        plan["rng"] = _read_rng_state(path, saved, f"rng.{_rng_key(rank)}", os.path.join(path, _rng_name(rank)))
+    return plan
+
+
+def _migrate(path: str, model: nn.Module, optimizer, common: dict, plan: dict) -> None:
+    """The tensors read and applied (collective), older formats converted on the way: a format-3
+    gated fc1's interleaved rows, fp8 histories kept beside the model before they were its state."""
     version = common.get("version", 2)
-    converted = torch_dcp.load_sharded(path, model, optimizer, state, rows, kept,
+    converted = torch_dcp.load_sharded(path, model, optimizer, plan["states"], plan["targets"], plan["rows"],
                                        legacy_interleaved=version < GATE_UP_SINCE)
     if converted and get_rank_safe() == 0:
         logger.info("checkpoint %s (format version %s) stores gated MLPs' fc1 with gate and up rows interleaved: "
                     "converted %d tensors to the [gate; up] layout on load; the next save writes format %d",
                     path, version, converted, _FORMAT_VERSION)
-    for name, model_state in checkpoint_states(model).items():
-        model_state.load_state_dict(common.get(name))  # every rank (it may communicate)
+    if common.get(_LEGACY_FP8):
+        from ..fp8 import load_fp8_state_dict  # only for such a checkpoint: a run without fp8 loads no fp8 stack
+
+        load_fp8_state_dict(unwrap_model(model), common[_LEGACY_FP8])  # every rank (it communicates)
+
+
+def _apply_entries(common: dict, plan: dict, optimizer, opt_param_scheduler, load_optim: bool,
+                   extra_states: Optional[dict]) -> None:
+    for name, state in (extra_states or {}).items():
+        state.load_state_dict(common.get(name))  # every rank (it may communicate)
     if load_optim and opt_param_scheduler is not None:
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-    if scaler_state is not None:
-        optimizer.grad_scaler.load_state_dict(scaler_state)
-    if rng_state is not None:
-        _set_rng_state(rng_state)
-    return {"iteration": common["iteration"], "extra_state": common["extra_state"], "rng_restored": restore_rng,
-            "path": path, "missing": None, "padded_vocab_size": padded}
+    if plan["scaler"] is not None:
+        optimizer.grad_scaler.load_state_dict(plan["scaler"])
+    if plan["rng"] is not None:
+        states.set_rng_state(plan["rng"])
 
 
 # ---------------------------------------------------------------------- training state

@@ -16,7 +16,6 @@ save_checkpoint does.
 
 from __future__ import annotations
 
-import os
 import shutil
 from typing import Callable, Optional
 
@@ -25,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..dist_checkpointing import checksums, entries, publish, torch_dcp
-from ..dist_checkpointing.checksums import ChecksumFileSystemWriter
+from ..dist_checkpointing.writer import CheckpointWriter
 from ..dist_checkpointing.lazy_save import LazySavePlanner
 from ..dist_checkpointing.core import EXTRA_STATE_SUFFIX, CheckpointError, describe, this_process_alone
 from ..dist_checkpointing.safe_unpickle import SafeLoadPlanner, open_checkpoint
@@ -45,7 +44,7 @@ class CheckpointReader:
         if verify:
             checksums.verify(self.path, found["manifest"] or {})
         saved = torch_dcp.read_metadata(self.path)
-        common = ckpt._read_entries(self.path, saved, torch.nn.Module())
+        common = ckpt._read_entries(self.path, saved, ())
         if common.get("format") != ckpt.CKPT_FORMAT:
             raise CheckpointError(f"checkpoint {self.path} has format {common.get('format')!r}")
         self.iteration = common["iteration"]
@@ -109,16 +108,15 @@ def write_checkpoint(save_dir: str, spec: dict[str, tuple[torch.Size, torch.dtyp
     train_state = ckpt.train_state(iteration, {"converted_from": source}, true_vocab_size, [], {"args": args})
     state = {"model": {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in spec.items()},
              ckpt._TRAIN_STATE: entries.pack(train_state)}
-    record = {}
     with publish.output_directory(save_dir):
         publish.clean_stale(save_dir, ckpt._is_complete)
         tmp = publish.temp_dir_for(final)
-        os.makedirs(tmp)
+        writer = CheckpointWriter(tmp, publish=lambda: publish.publish(
+            tmp, final, then=lambda: publish.write_tracker(save_dir, iteration)))
         try:
             with this_process_alone():
-                dcp.save(state, storage_writer=ChecksumFileSystemWriter(tmp, record),
+                dcp.save(state, storage_writer=writer,
                          planner=LazySavePlanner(lambda key: produce(key[len("model."):])), no_dist=True)
-            ckpt.publish_checkpoint(tmp, final, iteration, [record])
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

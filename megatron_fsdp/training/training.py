@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch
 
 from .. import parallel_state
+from ..dist_checkpointing.manager import CheckpointManager, get_checkpoint_manager, set_checkpoint_manager
 from ..distributed import TorchFullyShardedDataParallel
 from ..distributed.finalize_model_grads import finalize_model_grads
 from ..enums import ModelType
@@ -112,6 +114,25 @@ def setup_tokenizer(args) -> int:
 
 def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_func, beacon,
               signal_handler: Optional[DistributedSignalHandler] = None) -> None:
+    # The run's one owner of its checkpoints: its groups are made here, before any save.
+    manager = CheckpointManager(async_save=args.async_save,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    manager.setup()
+    previous = set_checkpoint_manager(manager)
+    try:
+        _pretrain_with(args, dataset_provider, model_provider, model_type, forward_step_func, beacon, signal_handler,
+                       manager)
+    except BaseException:
+        # Every exit waits for a pending save: here alone (the other ranks may not join a collective).
+        _report_saved(manager.wait_locally(timeout=60 * args.distributed_timeout_minutes))
+        raise
+    finally:
+        set_checkpoint_manager(previous)
+        manager.close()
+
+
+def _pretrain_with(args, dataset_provider, model_provider, model_type, forward_step_func, beacon, signal_handler,
+                   manager: CheckpointManager) -> None:
     train_start = time.time()
     true_vocab_size = setup_tokenizer(args)
     print_rank_last(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size} x "
@@ -138,6 +159,8 @@ def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_f
             saved_last = args.save_interval and iteration % args.save_interval == 0
             if exit_reason is None and args.save and iteration > args.iteration and not saved_last:
                 _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
+        beacon.mark("waiting for the checkpoint being written")
+        _report_saved(manager.finalize(blocking=True))  # every way out of training: published before it ends
         if exit_reason is not None:
             return  # as Megatron: an exit condition ends the job without the final evaluation
         beacon.mark("final evaluation")
@@ -294,7 +317,18 @@ def _reduce_losses(reports: list[dict]) -> dict[str, torch.Tensor]:
 
 def _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size) -> None:
     path = save_training_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
-    print_rank_last(f"> saved checkpoint {path}")
+    manager = get_checkpoint_manager()
+    if manager.pending:
+        print_rank_last(f"> checkpoint at iteration {iteration} staged in {manager.pending.blocking_s:.2f} s "
+                        f"({manager.last_staged_bytes / 2**20:.1f} MiB per rank), writing {path} in the background")
+    else:
+        _report_saved(manager.last_saved)
+
+
+def _report_saved(saved) -> None:
+    """The log line of a published checkpoint (said when it is published, not when it was started)."""
+    if saved is not None:
+        print_rank_last(f"> {saved.describe()}")
 
 
 def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration: int, flops: float, *, args,
@@ -378,6 +412,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
             exit_reason = checkpoint_and_decide_exit(
                 model, optimizer, opt_param_scheduler, iteration, flops, args=args, signal_handler=signal_handler,
                 train_start=train_start, true_vocab_size=true_vocab_size)
+            _report_saved(get_checkpoint_manager().finalize(blocking=False))  # a background save done?
             logger.resume(paused)
             if exit_reason:
                 print_rank_last(f"> exiting after iteration {iteration}: {exit_reason}")
