@@ -1,14 +1,17 @@
 """examples/pretrain_gpt.py with one injected fault, for tests/test_training_faults.py.
 
     torchrun ... tests/pretrain_with_faults.py <pretrain_gpt flags>
-    MEGATRON_FSDP_FAULT=nan|signal|stall  FAULT_RANK=r  FAULT_ITERATION=k  [FAULT_SECONDS=s]  [FAULT_DIR=d]
+    MEGATRON_FSDP_FAULT=nan|signal|stall|kill_in_save  FAULT_RANK=r  FAULT_ITERATION=k  [FAULT_SECONDS=s]  [FAULT_DIR=d]
 
 nan: rank r's embedding output becomes NaN in iteration k. stall: rank r
 sleeps s seconds before iteration k (a stuck rank). signal: after iteration
 k's step every rank writes its pid to d/pid_<rank> and waits until the file
 d/go exists, writing d/received_<rank> once its --exit-signal-handler has
 seen a SIGTERM: the test signals the job from outside (a rank, torchrun, or
-every process group) while the ranks wait, then lets them go on. The script
+every process group) while the ranks wait, then lets them go on. kill_in_save:
+the checkpoint of iteration k is written slowly (s seconds per file, every
+rank), and rank r kills itself (SIGKILL) once it wrote its first file: with
+--async-save, a kill -9 in the middle of a background write. The script
 and the package are untouched: the fault wraps
 megatron_fsdp.training.training.train_step and the example's model_provider,
 for the job only (`injected`), so a worker pool's rank can run one as a case
@@ -81,10 +84,34 @@ def injected(fault: str, rank: int, at_iteration: int, seconds: float = 0.0, dir
         return model
 
     training.train_step = train_step
+    with _killed_in_save(rank, at_iteration, seconds) if fault == "kill_in_save" else contextlib.nullcontext():
+        try:
+            yield model_provider
+        finally:
+            training.train_step = original_train_step
+
+
+@contextlib.contextmanager
+def _killed_in_save(rank: int, at_iteration: int, seconds: float):
+    from megatron_fsdp.dist_checkpointing import checksums
+
+    real = checksums.ChecksumFileSystem.create_stream
+    here = int(os.environ["RANK"]) == rank
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as stream:
+            yield stream
+        if "w" in mode and f"iter_{at_iteration:07d}.tmp-" in str(path):
+            time.sleep(seconds)
+            if here:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    checksums.ChecksumFileSystem.create_stream = create_stream
     try:
-        yield model_provider
+        yield
     finally:
-        training.train_step = original_train_step
+        checksums.ChecksumFileSystem.create_stream = real
 
 
 def _signal_from_rank_zero(directory: str, target: int, world_size: int, failures: list,

@@ -208,6 +208,25 @@ def test_sigterm_saves_and_exits_zero_on_every_rank_however_it_is_sent(tmp_path,
 
 
 @pytest.mark.e2e
+def test_kill_9_of_a_rank_during_a_background_write_keeps_the_previous_checkpoint(tmp_path, reference, pools):
+    """--async-save under torchrun: rank 1 is killed (SIGKILL) in the middle of the background write
+    of iteration 6's checkpoint, while the other rank's write goes on. The job fails; iteration 3's
+    checkpoint stays the latest, nothing of iteration 6's is published, and --load resumes with the
+    uninterrupted run's losses."""
+    ckpt = str(tmp_path / "ckpt")
+    proc, _ = _run("tests/pretrain_with_faults.py", "--train-iters", "6", "--num-workers", "2", "--save", ckpt,
+                   "--save-interval", "3", "--async-save",
+                   fault=dict(MEGATRON_FSDP_FAULT="kill_in_save", FAULT_RANK=1, FAULT_ITERATION=6, FAULT_SECONDS=1))
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "> saved checkpoint at iteration 3" in proc.stdout and "staged" in proc.stdout, proc.stdout[-3000:]
+    assert _tracker(ckpt) == "3"
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000006")), os.listdir(ckpt)
+    losses, _ = reference
+    resumed = _pretrain_in_pool(pools, "--train-iters", "6", "--num-workers", "2", "--load", ckpt)
+    assert _losses(resumed) == {k: v for k, v in losses.items() if k > 3}
+
+
+@pytest.mark.e2e
 def test_a_stuck_rank_is_named_when_the_collective_times_out(tmp_path):
     proc, elapsed = _run("tests/pretrain_with_faults.py", "--train-iters", "4", "--distributed-timeout-minutes", "0.1",
                          fault=dict(MEGATRON_FSDP_FAULT="stall", FAULT_RANK=1, FAULT_ITERATION=2, FAULT_SECONDS=60))
