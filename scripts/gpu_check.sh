@@ -24,8 +24,9 @@
 #   build; tests (the CUDA kernel tests, the torch-compatibility pins, the FSDP
 #   copy-kernel tests, the CUDA offload tests); main_job_bf16, main_job_fp8
 #   (examples/pretrain_gpt.py on every GPU: save, --exit-interval exit, resume to
-#   the end); bench_e2e, bench_gpt_fp8 (the figures earlier issues owe); the kernel
-#   micro-benchmarks bench_activations, bench_copy_in, bench_amax; copy_out_reference.
+#   the end); bench_e2e, bench_gpt_fp8 (the figures earlier issues owe); bench_checkpoint
+#   (the stall of a sync and an async checkpoint save); the kernel micro-benchmarks
+#   bench_activations, bench_copy_in, bench_amax; copy_out_reference.
 # A step starts only when its expected seconds (EXPECT_S below) fit into what is
 # left of the budget, else it is OMITTED ("does not fit: ...") and the next one
 # is tried (a smaller later step may still fit); a step that starts may use all
@@ -57,10 +58,11 @@ OUT_DIR="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}}"
 BUDGET_S="${GPU_CHECK_BUDGET_S:-420}"
 E2E_S="${GPU_CHECK_E2E_S:-110}"
 # The steps in the order of what is owed: everything needs the build; then the CUDA tests, the
-# main job, the figures earlier issues owe (bench_e2e, bench_gpt_fp8), the kernel micro-benchmarks
-# and torch's copy-out on a transposed output (recorded, not judged).
-ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_activations bench_copy_in bench_amax
-  copy_out_reference)
+# main job, the figures earlier issues owe (bench_e2e, bench_gpt_fp8), the async checkpoint save's
+# (bench_checkpoint: no GPU figure yet), the kernel micro-benchmarks and torch's copy-out on a
+# transposed output (recorded, not judged).
+ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_checkpoint bench_activations
+  bench_copy_in bench_amax copy_out_reference)
 # Seconds each step is expected to take: a step starts only when they fit into what is left.
 # What each took on the last GPU it ran on (one H100 80GB, torch 2.11, CUDA 13.0, a cold compile
 # cache, 2026-11-27; BENCHMARKS.md, "GPU run of 2026-11-27"), and the margin in its figure:
@@ -78,14 +80,23 @@ ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_
 #                       compiled arm ~30 (compilation), a pretrain arm (a torchrun launch) ~25: ~105
 #   bench_gpt_fp8       never to its end on the H100 (it died in its profile, since fixed); on the
 #                       H200 of 2026-11-26 (no profile yet) the whole run with it took 223 s -> 45
+#   bench_checkpoint    never run on a GPU (on the CPU, its default 3.7M-parameter GPT, 5 rounds:
+#                       10-28 s). Assumed: start-up (torch, CUDA, NCCL, the model) ~10 s; the GPT
+#                       below (84M parameters: 1.0 GB of fp32 weights and AdamW state per save)
+#                       ~3.5 s a round (a synchronous save ~1.5 s, the asynchronous write ~1.5 s,
+#                       staging ~0.2 s; the untimed round and 3 timed ones) ~14 s; the check of
+#                       the last async checkpoint (two copies of the state and a load) ~3 s -> 30
 #   bench_activations, bench_copy_in, bench_amax   15-24 s each -> 50 (with the RoPE, bias-dropout-
 #                       add and cross-entropy cases added since), 20, 20
 #   copy_out_reference  a Python start and 1 s on the GPU -> 10
 # No margin is left for the main jobs: build to bench_gpt_fp8 expect 410 of the 420 s, ~10 s left
-# for the preconditions (nvidia-smi, one torch import). The micro-benchmarks run when the steps
-# before them are quicker than expected, or with a larger budget (all the steps expect 510 s).
+# for the preconditions (nvidia-smi, one torch import). bench_checkpoint and the micro-benchmarks
+# run when the steps before them are quicker than expected (on the last measured timings, 388 s to
+# the end of bench_gpt_fp8: bench_checkpoint fits, the micro-benchmarks do not), or with a larger
+# budget (all the steps expect 540 s).
 declare -A EXPECT_S=([build]=70 [tests]=85 [main_job_bf16]=50 [main_job_fp8]=50 [bench_e2e]=$E2E_S
-  [bench_gpt_fp8]=45 [bench_activations]=50 [bench_copy_in]=20 [bench_amax]=20 [copy_out_reference]=10)
+  [bench_gpt_fp8]=45 [bench_checkpoint]=30 [bench_activations]=50 [bench_copy_in]=20 [bench_amax]=20
+  [copy_out_reference]=10)
 read -r -a SELECTED <<<"${GPU_CHECK_STEPS:-${ALL_STEPS[*]}}"
 SELECTED=(${SELECTED[@]//,/ })
 for s in "${SELECTED[@]}"; do
@@ -382,6 +393,13 @@ bench_e2e() {
 bench_gpt_fp8() {
   bench bench_gpt_fp8 "$PY" benchmarks/bench_gpt_fp8.py --preset gpu ${GPU_CHECK_FP8_ARMS:+--arms "$GPU_CHECK_FP8_ARMS"}
 }
+# The training loop's stall of a synchronous and an asynchronous save of one GPT (84M parameters,
+# 1.0 GB of weights and AdamW state) on one GPU, into a temporary directory on this machine's
+# disk; the async checkpoint is loaded back and checked against the state at its save.
+bench_checkpoint() {
+  bench bench_checkpoint "$PY" benchmarks/bench_checkpoint.py --hidden-size 1024 --num-layers 4 --vocab-size 16384 \
+    --repeats 3
+}
 
 # Runs a step when its expected seconds fit into what is left of the budget, else records
 # it OMITTED with why (the steps after it are still tried: a smaller one may fit).
@@ -422,9 +440,9 @@ import os
 import sys
 
 # Each benchmark names its baseline and bound its own way: one column each here.
-BASELINE = ("torch_ms", "foreach_ms", "bf16_ms")
+BASELINE = ("torch_ms", "foreach_ms", "bf16_ms", "sync_ms")
 BOUND = ("memcpy_ms", "bound_ms")
-SPEEDUP = ("torch_over_ours", "foreach_over_ours", "speedup")
+SPEEDUP = ("torch_over_ours", "foreach_over_ours", "speedup", "sync_over_async")
 rows = []
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
     for line in open(path):

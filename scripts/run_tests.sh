@@ -11,8 +11,10 @@
 #     cuda_build  the CUDA sources compiled against a CUDA torch in .venv-cuda, and the host-side
 #                 tests of that build (scripts/cuda_build_check.sh; without nvcc: skipped, in one line)
 #     soak        the shutdown soak at full length (pytest -m soak; MEGATRON_FSDP_SHUTDOWN_CYCLES)
+#     async_checkpoints  the checkpoint tests again, every save asynchronous (--async-save's path;
+#                 tests/async_save_mode.py)
 #     suite       the default suite (pytest arguments do not apply here)
-#     all         suite, packaging, cuda_build, soak
+#     all         suite, packaging, cuda_build, soak, async_checkpoints
 #
 # Where the extension under test already has its CUDA kernels (a CUDA torch with
 # MEGATRON_FSDP_VENV=system), the cuda_build step is that build: nothing more to compile.
@@ -21,11 +23,11 @@ set -euo pipefail
 
 steps=()
 while [ "$#" -gt 0 ] && [ "$1" = --step ]; do
-  [ "$#" -ge 2 ] || { echo "[run_tests] --step needs a name: suite, packaging, cuda_build, soak or all" >&2; exit 2; }
+  [ "$#" -ge 2 ] || { echo "[run_tests] --step needs a name: suite, packaging, cuda_build, soak, async_checkpoints or all" >&2; exit 2; }
   case "$2" in
-    all) steps+=(suite packaging cuda_build soak) ;;
-    suite|packaging|cuda_build|soak) steps+=("$2") ;;
-    *) echo "[run_tests] unknown step '$2' (steps: suite, packaging, cuda_build, soak, all)" >&2; exit 2 ;;
+    all) steps+=(suite packaging cuda_build soak async_checkpoints) ;;
+    suite|packaging|cuda_build|soak|async_checkpoints) steps+=("$2") ;;
+    *) echo "[run_tests] unknown step '$2' (steps: suite, packaging, cuda_build, soak, async_checkpoints, all)" >&2; exit 2 ;;
   esac
   shift 2
 done
@@ -49,6 +51,12 @@ suite() {
 }
 packaging() { "$PY" -m pytest -q --durations=5 -m packaging tests; }
 soak() { "$PY" -m pytest -q -m soak tests; }
+# Every checkpoint test written for the synchronous save, unchanged, with each save asynchronous.
+async_checkpoints() {
+  MEGATRON_FSDP_TEST_ASYNC_SAVE=1 "$PY" -m pytest -q tests/test_checkpointing.py tests/test_checkpoint_faults.py \
+    tests/test_checkpoint_vocab_padding.py tests/test_fp8_checkpoint.py tests/test_resume_checks.py \
+    tests/test_checkpoint_formats.py tests/test_checkpoint_fp16.py
+}
 cuda_build() {
   if "$PY" -c "import sys; from megatron_fsdp import kernels; sys.exit(not kernels.extension_has_cuda())" 2>/dev/null; then
     echo "[run_tests] the extension under test has its CUDA kernels: no separate CUDA build to check" >&2

@@ -14,8 +14,12 @@ if not torch.cuda.is_available():
     # compiled or interpreted as Triton is imported, and a test module collected earlier may import it.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from async_save_mode import install_if_asked  # noqa: E402
 from distributed_pool import WorkerPool  # noqa: E402
 from pretrain_in_pool import MOCK_INDEX_CACHE_ENV  # noqa: E402
+
+
+install_if_asked()
 
 
 class _Pools:

@@ -83,6 +83,9 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
 
     torch.set_num_threads(1)
     init_pool_group(rank, world_size)
+    from async_save_mode import install_if_asked
+
+    install_if_asked()  # the checkpoint tests' asynchronous mode, when CI's step asks for it
     _freeze_survivors()
     while True:  # until the pool ends the process (WorkerPool.close)
         module_name, func_name, args, kwargs = tasks.get()

@@ -198,8 +198,11 @@ class CheckpointManager:
             saved.blocking_s = time.perf_counter() - started
             self.last_saved = saved
             return saved
-        future = dcp.async_save(plain, storage_writer=writer, planner=_SavePlanner(keys, error),
-                                async_stager=_AlreadyStaged(), **self._dcp_group())
+        started_save = []  # what async_save raises at once is one line too (_run)
+        self._run(lambda: started_save.append(dcp.async_save(
+            plain, storage_writer=writer, planner=_SavePlanner(keys, error), async_stager=_AlreadyStaged(),
+            **self._dcp_group())), final, tmp)
+        future = started_save[0]
         saved.blocking_s = time.perf_counter() - started
         pending = self._pending = _Pending(future, saved, tmp, written_at=time.perf_counter())
         future.add_done_callback(lambda _: setattr(pending, "finished_at", time.perf_counter()))
