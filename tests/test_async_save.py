@@ -261,3 +261,28 @@ def test_a_resume_from_async_saves_repeats_the_uninterrupted_run_bit_for_bit(tmp
     resumed = _pretrain(pools, 2, *run, "--load", ckpt)
     losses = [{int(m[1]): m[6] for m in map(LINE.search, proc.stdout.splitlines()) if m} for proc in (first, resumed)]
     assert sorted(losses[1]) == [4, 5, 6] and losses[1] == {k: v for k, v in losses[0].items() if k > 3}
+
+
+def _case_an_error_waits_for_the_pending_save(argv):
+    from pretrain_with_faults import nan_fault_job
+
+    with slow_writes(0.5):  # iteration 2's save is still being written when iteration 3 fails
+        return nan_fault_job(argv, 1, 3)
+
+
+@pytest.mark.slow  # a pretrain() job in the worker pool
+def test_an_error_during_a_background_write_publishes_it_before_the_job_ends(tmp_path, pools):
+    """--async-save --save-interval 1: iteration 3's loss is NaN on rank 1 while iteration 2's checkpoint
+    is written in the background. The job stops with its one-line error, after that checkpoint is
+    published: it is the latest, complete, and nothing of iteration 3 was saved."""
+    from test_training_faults import FLAGS, _tracker
+
+    ckpt = str(tmp_path / "ckpt")
+    outcomes = pools(2).run(_case_an_error_waits_for_the_pending_save,
+                            [*FLAGS, "--train-iters", "6", "--save", ckpt, "--save-interval", "1", "--async-save"],
+                            timeout=400)
+    out = "".join(text for _, text in outcomes)
+    assert [code for code, _ in outcomes] == [1, 1], out[-3000:]
+    assert "> saved checkpoint at iteration 2" in out, out[-3000:]
+    assert _tracker(ckpt) == "2" and not os.path.exists(os.path.join(ckpt, "iter_0000003"))
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
