@@ -286,3 +286,18 @@ def test_an_error_during_a_background_write_publishes_it_before_the_job_ends(tmp
     assert "> saved checkpoint at iteration 2" in out, out[-3000:]
     assert _tracker(ckpt) == "2" and not os.path.exists(os.path.join(ckpt, "iter_0000003"))
     assert sorted(os.listdir(ckpt)) == ["iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_the_flags_are_megatrons(capsys):
+    """--async-save needs --save (one line, exit code 2); --use-persistent-ckpt-worker, which Megatron-LM
+    asks for with it, is accepted and implied."""
+    from test_usage_errors import _parse
+
+    args = _parse("--save", "ckpt", "--async-save", world_size=1)
+    assert args.async_save and args.use_persistent_ckpt_worker
+    assert _parse("--save", "ckpt", "--async-save", "--use-persistent-ckpt-worker", world_size=1).async_save
+    assert not _parse("--save", "ckpt", world_size=1).async_save
+    with pytest.raises(SystemExit) as exit_info:
+        _parse("--async-save", world_size=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "--async-save needs --save" in err[0], err
