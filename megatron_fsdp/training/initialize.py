@@ -6,6 +6,9 @@ GPUs, gloo on CPU, --distributed-timeout-minutes), then, inside
 groups, seeds every generator as Megatron does and sets up the
 number-of-microbatches calculator.
 
+Restart (`torchrun --max-restarts N`): each attempt's groups live on a part of
+torchrun's store of their own (rendezvous.py).
+
 End: torch 2.13 + gloo: a process that destroys its process group while a peer is
 still inside a collective (FSDP2's last reduce-scatter, say) aborts at exit
 in about one run in five ("terminate called without an active exception",
@@ -31,6 +34,7 @@ from .._process_groups import release_meshes
 from ..num_microbatches_calculator import destroy_num_microbatches_calculator, init_num_microbatches_calculator
 from ..utils import is_distributed
 from .global_vars import set_args
+from .rendezvous import attempt_store, uses_torchrun_agent_store
 
 DEFAULT_SHUTDOWN_TIMEOUT = timedelta(minutes=5)
 
@@ -74,10 +78,9 @@ def shutdown_distributed(*, failed: bool = False, timeout: timedelta = DEFAULT_S
     dist.destroy_process_group()
     global _SHUTDOWNS
     _SHUTDOWNS += 1
-    # (A restarted torchrun worker group shares the agent's store: its attempt is part of the name.)
-    _wait_until_every_rank_destroyed(
-        store, world, f"megatron_fsdp/shutdown/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_SHUTDOWNS}",
-        last_to_leave=rank == 0)
+    # (Under torchrun the store is this attempt's own (attempt_store): a restarted worker group
+    # meets under a prefix of its own, whatever each node's TORCHELASTIC_RESTART_COUNT says.)
+    _wait_until_every_rank_destroyed(store, world, f"megatron_fsdp/shutdown/{_SHUTDOWNS}", last_to_leave=rank == 0)
 
 
 _SHUTDOWNS = 0  # this process's shutdowns so far: every rank counts alike, so it names this one
@@ -175,7 +178,9 @@ def check_launched_by_torchrun(store=None) -> None:
 def initialize_distributed(args, store=None) -> None:
     """The default process group, from torchrun's environment. More processes
     on this node than visible GPUs (NCCL) is a usage error, before any
-    communication: one line (the node's first process prints it), exit code 2."""
+    communication: one line (the node's first process prints it), exit code 2.
+    Under torchrun, on this attempt's own part of the agent's store (`attempt_store`),
+    so that a restarted attempt (`--max-restarts`) forms its groups afresh."""
     backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     problem = gpu_shortage(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local_rank)
@@ -188,8 +193,15 @@ def initialize_distributed(args, store=None) -> None:
     else:
         # Worker processes on one machine share its cores.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    kwargs = {} if store is None else {"store": store, "rank": args.rank, "world_size": args.world_size}
-    dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes), **kwargs)
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if store is not None:
+        kwargs = {"store": store, "rank": args.rank, "world_size": args.world_size}
+    elif uses_torchrun_agent_store():
+        store, rank, world_size = attempt_store(timeout)
+        kwargs = {"store": store, "rank": rank, "world_size": world_size}
+    else:
+        kwargs = {}
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
 
 
 def set_random_seed(seed: int) -> None:
