@@ -51,15 +51,16 @@ def _loaded(ckpt, iteration=None) -> dict:
 
 @contextlib.contextmanager
 def slow_writes(seconds: float):
-    """A slow file system: every file written takes `seconds` more (in the writer's thread)."""
+    """A slow file system: every file takes `seconds` before its first byte is written (in the
+    writer's thread), so that what runs meanwhile runs before the bytes are taken."""
     real = checksums.ChecksumFileSystem.create_stream
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        with real(self, path, mode) as stream:
-            yield stream
         if "w" in mode:
             time.sleep(seconds)
+        with real(self, path, mode) as stream:
+            yield stream
 
     checksums.ChecksumFileSystem.create_stream = create_stream
     try:
@@ -79,22 +80,39 @@ def manager_in_use(**kwargs):
         manager.close()
 
 
+def _optimizer_state(optimizer) -> dict:
+    state = optimizer.optimizer.state_dict()
+    return {"state": {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for i, s in state["state"].items()},
+            "lr": [group["lr"] for group in state["param_groups"]]}
+
+
 @single_process
 def test_an_async_save_holds_the_state_at_the_call_not_the_steps_during_its_write(tmp_path):
     ckpt = str(tmp_path)
     model, optimizer = _tiny()
     _step(model, optimizer)
-    at_call = _weights(model)
-    with manager_in_use(async_save=True) as manager, slow_writes(0.2):
+    at_call, optimizer_at_call = _weights(model), _optimizer_state(optimizer)
+    with manager_in_use(async_save=True) as manager, slow_writes(0.3):
         save_checkpoint(1, model, optimizer, None, ckpt)
         assert manager.pending is not None and read_latest_iteration(ckpt) is None  # not published yet
-        for _ in range(3):  # the steps a real loop runs while the background write goes on
+        for _ in range(3):  # the steps a real loop runs while the write waits for its first byte
             _step(model, optimizer)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.5  # what a scheduler's step changes
+        assert not manager.pending_done(), "the write ended before the steps: the test proves nothing"
         saved = manager.finalize(blocking=True)
-    assert saved.iteration == 1 and saved.write_s >= 0.2 and read_latest_iteration(ckpt) == 1
-    got = _loaded(ckpt)
+    assert saved.iteration == 1 and saved.write_s >= 0.3 and read_latest_iteration(ckpt) == 1
+    restored, restored_optimizer = _tiny(seed=1)
+    load_checkpoint(restored, restored_optimizer, None, ckpt, load_rng=False)
+    got = _weights(restored)
     for name, value in at_call.items():
         assert torch.equal(got[name], value), f"{name}: the async checkpoint is not the state at the call"
+    loaded = _optimizer_state(restored_optimizer)
+    assert loaded["lr"] == optimizer_at_call["lr"]
+    for index, values in optimizer_at_call["state"].items():
+        for key, value in values.items():
+            assert torch.equal(torch.as_tensor(loaded["state"][index][key]), torch.as_tensor(value)), (index, key)
 
 
 def _tensor_files(ckpt, iteration) -> dict:
@@ -301,3 +319,45 @@ def test_the_flags_are_megatrons(capsys):
         _parse("--async-save", world_size=1)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "--async-save needs --save" in err[0], err
+
+
+@single_process
+def test_a_save_that_waits_for_the_previous_one_says_when_that_one_was_published(tmp_path, capsys, monkeypatch):
+    """The training loop's save while the previous checkpoint is still being written: that one is
+    published first, and its 'saved' line is printed then, not lost."""
+    from megatron_fsdp.training import training
+
+    model, optimizer = _tiny()
+    monkeypatch.setattr(training, "save_training_checkpoint", lambda args, iteration, *rest: save_checkpoint(
+        iteration, model, optimizer, None, str(tmp_path)))
+    with manager_in_use(async_save=True) as manager, slow_writes(0.2):
+        training._save(None, 1, model, optimizer, None, 0.0, None)
+        training._save(None, 2, model, optimizer, None, 0.0, None)
+        out = capsys.readouterr().out
+        assert re.search(r"> saved checkpoint at iteration 1 to \S+ \(blocking [\d.]+ s, background write", out), out
+        assert re.search(r"> checkpoint at iteration 2 staged in [\d.]+ s after waiting [\d.]+ s for the previous", out)
+        assert manager.finalize(blocking=True).iteration == 2
+
+
+def _case_ranks_agree_on_a_save_one_of_them_saw_fail(ckpt):
+    from concurrent.futures import Future
+
+    model, optimizer = _tiny()
+    with manager_in_use(async_save=True) as manager:
+        save_checkpoint(1, model, optimizer, None, ckpt)
+        if dist.get_rank() == 1:  # what DCP did not gather: this rank's own collective failed (a peer gone)
+            real = manager._pending.future
+            failed = Future()
+            failed.set_exception(RuntimeError("Connection closed by peer (injected)"))
+            manager._pending.future = failed
+        with pytest.raises(CheckpointError) as failure:
+            manager.finalize(blocking=True)
+        if dist.get_rank() == 1:
+            real.result()  # (the real write, for a clean end)
+    return str(failure.value)
+
+
+def test_every_rank_raises_when_one_saw_its_background_save_fail(pools, tmp_path):
+    messages = pools(2).run(_case_ranks_agree_on_a_save_one_of_them_saw_fail, str(tmp_path))
+    assert messages[0] == messages[1] and "failed on rank(s) [1]" in messages[0], messages
+    assert "Connection closed by peer (injected)" in messages[0]

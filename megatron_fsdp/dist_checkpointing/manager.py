@@ -11,9 +11,11 @@ state (a copy into CPU memory, pinned where CUDA is present) before it
 returns, so the next optimizer step cannot change what is written, and
 DCP's `async_save` writes it from a background thread. Published only when
 every rank's write finished (writer.py: the coordinator's finish), the
-tracker last. `maybe_finalize()` asks every rank (one all-reduce on the
-manager's second group) whether the pending save is done and reports it,
-alike on every rank; the next save and every exit wait for it first.
+tracker last. `finalize()` asks every rank (one all-reduce on the manager's
+second group) whether the pending save is done; once it is, the ranks agree
+on its outcome (one gather of their verdicts) and report it alike: the
+published checkpoint, or the same CheckpointError everywhere. The next save
+and every exit wait for it first.
 
 Why a thread, not DCP's process-based checkpointer: the write itself (file
 I/O and the CRC-32C of the extension) releases the GIL, the staged copy is
@@ -169,7 +171,7 @@ class CheckpointManager:
              record_checksums: bool = True, async_save: Optional[bool] = None) -> Optional[SavedCheckpoint]:
         """Write `states` ({name: Stateful or value}) as checkpoint `iteration` of `save_dir`.
         Waits for a pending save first. Synchronous: returns the published checkpoint.
-        Asynchronous: returns None once staged (maybe_finalize reports the publish).
+        Asynchronous: returns None once staged (finalize reports the publish).
         `strided_model`: the model whose partition-strided tensors are written in their
         full layout (strided.py). A failure raises CheckpointError on every rank."""
         self.finalize(blocking=True)
@@ -245,6 +247,10 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ pending saves
 
+    def pending_done(self) -> bool:
+        """This rank's part of the pending save has ended (no collective; finalize decides)."""
+        return self._pending is not None and self._pending.future.done()
+
     @property
     def pending(self) -> Optional[SavedCheckpoint]:
         """The asynchronous save in flight (not yet published), or None."""
@@ -259,7 +265,7 @@ class CheckpointManager:
         if not blocking and not self._all_ranks(self._pending.future.done()):
             return None
         pending, self._pending = self._pending, None
-        self._run(pending.future.result, pending.saved.path, pending.tmp)
+        self._agreed(lambda: self._run(pending.future.result, pending.saved.path, pending.tmp), pending.saved.path)
         pending.saved.write_s = (pending.finished_at or time.perf_counter()) - pending.written_at
         self.last_saved = pending.saved
         return pending.saved
@@ -279,6 +285,27 @@ class CheckpointManager:
         pending.saved.write_s = (pending.finished_at or time.perf_counter()) - pending.written_at
         self.last_saved = pending.saved
         return pending.saved
+
+    def _agreed(self, outcome, path: str) -> None:
+        """`outcome()` (which raises CheckpointError for a failed save) with one verdict for
+        every rank: DCP gives every rank the failure it gathered, but a rank whose own
+        collective failed (a peer gone, a timeout) knows more than the others."""
+        error = None
+        try:
+            outcome()
+        except CheckpointError as exc:
+            error = str(exc)
+        if is_distributed():
+            verdicts = [None] * dist.get_world_size(self._control_group)
+            dist.all_gather_object(verdicts, error, group=self._control_group)
+        else:
+            verdicts = [error]
+        failed = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+        if failed:
+            if len(set(v for _, v in failed)) == 1 and len(failed) == len(verdicts):
+                raise CheckpointError(failed[0][1])
+            raise CheckpointError(f"saving checkpoint {path} failed on rank(s) {[r for r, _ in failed]}: "
+                                  + "; ".join(dict.fromkeys(v for _, v in failed)))
 
     def _all_ranks(self, done: bool) -> bool:
         if not is_distributed():

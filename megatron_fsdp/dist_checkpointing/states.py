@@ -19,7 +19,7 @@ rank alone before any tensor (the checks of load_checkpoint), so their
 from __future__ import annotations
 
 import random
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -138,17 +138,19 @@ class EntryState(Stateful):
         self.source.load_state_dict(state)
 
 
-class Value:
-    """A fixed value with the state protocol (the train state of one save)."""
+class Computed:
+    """A value made when a save asks for it (`make()`), with the state protocol: the train state
+    of one save, the loss scaler's state on the CPU. Made inside the manager's save, a failure
+    on one rank is every rank's."""
 
-    def __init__(self, value: Any = None):
-        self.value = value
+    def __init__(self, make: Callable[[], Any]):
+        self._make = make
 
     def state_dict(self) -> Any:
-        return self.value
+        return self._make()
 
     def load_state_dict(self, state: Any) -> None:
-        self.value = state
+        raise TypeError("a computed checkpoint entry is only saved")
 
 
 def rng_key(rank: int) -> str:

@@ -149,15 +149,15 @@ def checkpoint_states(iteration: int, model: nn.Module, optimizer=None, opt_para
     writes once, except each rank's RNG states). `extra_states` ({name: object with
     state_dict() and load_state_dict()}) adds entries of a caller's own."""
     found = torch_dcp.tensor_states(model, optimizer)
+    # NOTE: computed when the manager asks (states.Computed): a failure then reaches every rank.
     own = {
-        _TRAIN_STATE: states.Value(train_state(iteration, _layout(), true_vocab_size,
-                                               vocab_param_names(unwrap_model(model)), extra_state or {})),
+        _TRAIN_STATE: states.Computed(lambda: train_state(iteration, _layout(), true_vocab_size,
+                                                          vocab_param_names(unwrap_model(model)), extra_state or {})),
         "opt_param_scheduler": opt_param_scheduler,
-        "grad_scaler": _grad_scaler_state(optimizer),
+        "grad_scaler": (states.Computed(lambda: _grad_scaler_state(optimizer))
+                        if getattr(optimizer, "grad_scaler", None) is not None else None),
     }
-    if own["grad_scaler"] is not None:
-        own["grad_scaler"] = states.Value(own["grad_scaler"])
-    clash = sorted(set(extra_states or {}) & set(_OWN_ENTRIES + _TRAIN_STATE_KEYS))
+    clash = sorted(set(extra_states or {}) & set(_OWN_ENTRIES + _TRAIN_STATE_KEYS + (_LEGACY_FP8,)))
     if clash:
         raise ValueError(f"checkpoint state {clash} would overwrite the checkpoint's own entries")
     own.update(extra_states or {})

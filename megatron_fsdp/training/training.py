@@ -316,10 +316,14 @@ def _reduce_losses(reports: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size) -> None:
-    path = save_training_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
     manager = get_checkpoint_manager()
+    started = time.perf_counter()
+    previous = manager.finalize(blocking=True)  # a save still being written: published first, and said so
+    waited = f" after waiting {time.perf_counter() - started:.2f} s for the previous one" if previous else ""
+    _report_saved(previous)
+    path = save_training_checkpoint(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
     if manager.pending:
-        print_rank_last(f"> checkpoint at iteration {iteration} staged in {manager.pending.blocking_s:.2f} s "
+        print_rank_last(f"> checkpoint at iteration {iteration} staged in {manager.pending.blocking_s:.2f} s{waited} "
                         f"({manager.last_staged_bytes / 2**20:.1f} MiB per rank), writing {path} in the background")
     else:
         _report_saved(manager.last_saved)
