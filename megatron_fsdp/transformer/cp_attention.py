@@ -1,0 +1,180 @@
+"""Context-parallel attention: each sequence split over the CP group, Megatron's layout.
+
+The split (Megatron's `get_batch_on_this_cp_rank`, causal load balancing): a sequence of s
+tokens is cut into 2P chunks of c = s / (2P) (P the CP group size); CP rank r keeps chunks r
+and 2P-1-r, in that order, so every rank holds as many early (cheap) as late (costly) queries
+under the causal mask. Tokens, labels, loss mask and positions are split alike, so each rank's
+local sequence is 2c tokens whose global positions are [rc, (r+1)c) then [(2P-1-r)c, (2P-r)c).
+
+The attention of the local queries over the whole sequence, by `--cp-comm-type`:
+- `all_gather`: K/V of every rank gathered into the whole sequence (their gradients summed
+  back to their ranks in the backward), the local queries attending under a mask built from
+  their global positions.
+- `a2a` (Ulysses): an all-to-all trades heads for sequence (each rank then holds the whole
+  sequence for heads/P of the heads), local causal attention, and an all-to-all back. Needs the
+  query heads and K/V groups divisible by P.
+- `p2p`: a ring of K/V blocks with log-sum-exp merging, blocks the mask hides skipped
+  (cp_ring.py).
+Every function here takes q [b, hq, 2c, d] and k, v [b, hkv, 2c, d] (GQA: hq a multiple of
+hkv, only the hkv groups travel) in this rank's layout and returns [b, hq, 2c, d].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+
+
+# ------------------------------------------------------------------ the split
+
+def chunks_of_rank(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two of the 2 x cp_size chunks a CP rank keeps."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def split_for_cp_rank(t: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """`t`'s part on CP rank `cp_rank`: its two chunks along `seq_dim`, concatenated."""
+    if cp_size == 1:
+        return t
+    if t.size(seq_dim) % (2 * cp_size):
+        raise ValueError(f"a sequence of {t.size(seq_dim)} tokens cannot be split in 2 x context parallel size "
+                         f"({2 * cp_size}) equal chunks")
+    shaped = t.view(*t.shape[:seq_dim], 2 * cp_size, t.size(seq_dim) // (2 * cp_size), *t.shape[seq_dim + 1:])
+    index = torch.tensor(chunks_of_rank(cp_size, cp_rank), device=t.device)
+    kept = shaped.index_select(seq_dim, index)
+    return kept.reshape(*t.shape[:seq_dim], -1, *t.shape[seq_dim + 1:])
+
+
+def positions_of_rank(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The global positions of a CP rank's `local_len` tokens (its two chunks)."""
+    chunk = local_len // 2
+    first, second = chunks_of_rank(cp_size, cp_rank)
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def zigzag_order(cp_size: int) -> list[int]:
+    """The chunk order of the ranks' parts laid end to end (rank 0's two, rank 1's, ...)."""
+    return [c for rank in range(cp_size) for c in chunks_of_rank(cp_size, rank)]
+
+
+def _to_natural(t: torch.Tensor, seq_dim: int, cp_size: int) -> torch.Tensor:
+    """The ranks' parts laid end to end (zigzag order) -> the sequence in its own order."""
+    chunks = t.chunk(2 * cp_size, dim=seq_dim)
+    where = {chunk: i for i, chunk in enumerate(zigzag_order(cp_size))}
+    return torch.cat([chunks[where[c]] for c in range(2 * cp_size)], dim=seq_dim)
+
+
+def _to_zigzag(t: torch.Tensor, seq_dim: int, cp_size: int) -> torch.Tensor:
+    """The inverse of _to_natural."""
+    chunks = t.chunk(2 * cp_size, dim=seq_dim)
+    return torch.cat([chunks[c] for c in zigzag_order(cp_size)], dim=seq_dim)
+
+
+# ------------------------------------------------------------------ all_gather
+
+class _GatherSequence(torch.autograd.Function):
+    """[b, h, 2c, d] of every rank -> the whole sequence [b, h, s, d] in its own order; the
+    backward sums every rank's gradient of the whole sequence and keeps this rank's chunks."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return _to_natural(torch.cat(parts, dim=2), 2, size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        total = grad.contiguous()
+        # NOTE: every rank's queries contribute to every chunk's K/V: the sum, then this rank's part.
+        # (An all-reduce, which gloo has; reduce-scatter would move 1/P of it.)
+        dist.all_reduce(total, group=ctx.group)
+        return split_for_cp_rank(total, 2, size, rank), None
+
+
+def all_gather_attention(q, k, v, group, *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    keys, values = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
+    queries_at = positions_of_rank(q.size(2), size, rank, q.device)
+    allowed = queries_at[:, None] >= torch.arange(keys.size(2), device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, dropout_p=dropout_p, scale=scale,
+                                          enable_gqa=q.size(1) != keys.size(1))
+
+
+# ------------------------------------------------------------------ a2a (Ulysses)
+
+class _HeadsForSequence(torch.autograd.Function):
+    """[b, h, 2c, d] (all heads, this rank's chunks) -> [b, h/P, s, d] (this rank's heads, the
+    whole sequence in its own order), and back when `inverse`: one all-to-all each way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, inverse: bool) -> torch.Tensor:
+        ctx.group, ctx.inverse = group, inverse
+        return _exchange(x, group, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group, not ctx.inverse), None, None
+
+
+def _exchange(x: torch.Tensor, group, inverse: bool) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    if not inverse:
+        # Send head group j to rank j; receive every rank's chunks of this rank's heads.
+        send = x.reshape(b, size, h // size, s, d).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        # [P (source rank), b, h/P, 2c, d] -> [b, h/P, P * 2c, d], zigzag -> natural order
+        whole = recv.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
+        return _to_natural(whole, 2, size)
+    # [b, h/P, s, d] -> send rank j its chunks of these heads; receive this rank's chunks of all heads.
+    zigzag = _to_zigzag(x, 2, size)
+    send = zigzag.reshape(b, h, size, s // size, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # [P (source rank: its head group), b, h/P, 2c, d] -> [b, P * h/P, 2c, d]
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, size * h, s // size, d)
+
+
+def a2a_attention(q, k, v, group, *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if q.size(1) % size or k.size(1) % size:
+        raise ValueError(f"--cp-comm-type a2a needs the attention heads ({q.size(1)}) and query groups "
+                         f"({k.size(1)}) of a tensor-parallel rank divisible by --context-parallel-size ({size})")
+    q, k, v = (_HeadsForSequence.apply(t, group, False) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=q.size(1) != k.size(1))
+    return _HeadsForSequence.apply(out, group, True)
+
+
+# ------------------------------------------------------------------ dispatch
+
+def context_parallel_attention(q, k, v, group, comm_type: str, *, scale: float,
+                               dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of this CP rank's queries over the whole sequence (see the module's
+    docstring); `group` the CP group, `comm_type` Megatron's --cp-comm-type."""
+    if comm_type == "all_gather":
+        return all_gather_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
+    if comm_type == "a2a":
+        return a2a_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
+    if comm_type == "p2p":
+        from .cp_ring import ring_attention
+
+        return ring_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
+    raise ValueError(f"cp_comm_type {comm_type!r} is not supported (one of {', '.join(CP_COMM_TYPES)})")
+
+
+def comm_type_of_layer(cp_comm_type, layer_number: int) -> Optional[str]:
+    """Megatron's cp_comm_type: one value, or a list with one per layer (layer_number from 1)."""
+    if isinstance(cp_comm_type, (list, tuple)):
+        return cp_comm_type[layer_number - 1]
+    return cp_comm_type

@@ -1,0 +1,74 @@
+"""Context-parallel attention (megatron_fsdp.transformer.cp_attention) against the one-process
+causal attention of the whole sequence: outputs and gradients of q, k and v, each rank holding
+Megatron's two load-balanced chunks; and the split against Megatron-Core's own."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from helpers import setup_parallel
+from megatron_fsdp import parallel_state
+from megatron_fsdp.transformer import cp_attention
+
+B, D, CHUNK = 2, 8, 3
+
+
+def _whole(seed: int, heads: int, seq: int) -> torch.Tensor:
+    return torch.randn(B, heads, seq, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(hq: int, hkv: int, seq: int):
+    q, k, v = (_whole(s, h, seq).requires_grad_() for s, h in ((1, hq), (2, hkv), (3, hkv)))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=hq != hkv)
+    (out * _whole(4, hq, seq)).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _case_matches_the_whole_sequence(comm_type: str, hq: int, hkv: int):
+    size = dist.get_world_size()
+    setup_parallel(1, context_parallel_size=size)
+    group, rank = parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
+    seq = 2 * size * CHUNK
+    expected = _reference(hq, hkv, seq)
+    split = [cp_attention.split_for_cp_rank(t, 2, size, rank) for t in expected]
+    q, k, v = (cp_attention.split_for_cp_rank(_whole(s, h, seq), 2, size, rank).requires_grad_()
+               for s, h in ((1, hq), (2, hkv), (3, hkv)))
+    out = cp_attention.context_parallel_attention(q, k, v, group, comm_type, scale=0.3)
+    (out * cp_attention.split_for_cp_rank(_whole(4, hq, seq), 2, size, rank)).sum().backward()
+    for name, got, want in zip(("output", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), split):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{comm_type} {name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+@pytest.mark.parametrize("world_size,hq,hkv", [(2, 4, 2), (4, 4, 4), pytest.param(4, 8, 4, marks=pytest.mark.slow)])
+def test_context_parallel_attention_is_the_whole_sequences(pools, comm_type, world_size, hq, hkv):
+    assert pools(world_size).run(_case_matches_the_whole_sequence, comm_type, hq, hkv) == [True] * world_size
+
+
+def _case_a2a_refuses_heads_that_do_not_divide():
+    setup_parallel(1, context_parallel_size=dist.get_world_size())
+    q = torch.zeros(1, 2, 4, D)
+    cp_attention.a2a_attention(q, q[:, :1], q[:, :1], parallel_state.get_context_parallel_group(), scale=1.0)
+
+
+def test_a2a_needs_heads_divisible_by_the_context_parallel_size(pools):
+    errors = pools(2).run_expecting_errors(_case_a2a_refuses_heads_that_do_not_divide)
+    assert all("divisible by --context-parallel-size (2)" in e.message for e in errors), errors[0].message
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_the_split_is_megatron_cores(cp_size):
+    """Megatron-Core's _get_batch_on_this_cp_rank_per_sequence_balancing, in its own words: the
+    sequence in 2 x CP chunks, rank r keeping chunks r and 2CP-1-r; the positions alike."""
+    seq = 2 * cp_size * 3
+    tokens = torch.arange(2 * seq).view(2, seq)
+    for rank in range(cp_size):
+        got = cp_attention.split_for_cp_rank(tokens, 1, cp_size, rank)
+        chunks = tokens.view(2, 2 * cp_size, -1)
+        want = torch.cat([chunks[:, rank], chunks[:, 2 * cp_size - 1 - rank]], dim=1)
+        assert torch.equal(got, want)
+        assert torch.equal(cp_attention.positions_of_rank(seq // cp_size, cp_size, rank), want[0])
+    with pytest.raises(ValueError, match="cannot be split in 2 x context parallel size"):
+        cp_attention.split_for_cp_rank(torch.zeros(1, 2 * cp_size * 3 + 1), 1, 2, 0)
