@@ -25,6 +25,7 @@ from megatron_fsdp.enums import ModelType
 from megatron_fsdp.models.gpt import GPTModel, get_gpt_layer_local_spec
 from megatron_fsdp.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron_fsdp.training.arguments import core_transformer_config_from_args
+from megatron_fsdp.utils import get_batch_on_this_cp_rank
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
@@ -51,6 +52,8 @@ def get_batch(data_iterator):
         # a masked kernel that computes every score. Megatron's Transformer Engine attention
         # likewise ignores the mask of a causal layer.
         batch.pop("attention_mask", None)
+    # This context-parallel rank's chunks of the sequence (with --context-parallel-size > 1).
+    batch = get_batch_on_this_cp_rank(batch)
     device = parallel_state.get_device()
     on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     return (on_device["tokens"], on_device["labels"], on_device["loss_mask"], on_device.get("attention_mask"),

@@ -250,3 +250,31 @@ def get_attr_wrapped_model(model, attr: str, allow_none: bool = True, return_mod
 def get_model_config(model):
     """The TransformerConfig (`.config`) of a model chunk, wrapped or not (Megatron-Core's helper)."""
     return get_attr_wrapped_model(model, "config", allow_none=False)
+
+
+# ---------------------------------------------------------------- context parallelism
+
+_CP_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+
+
+def get_batch_on_this_cp_rank(batch: dict, is_hybrid_cp: bool = False, cp_group: Optional[dist.ProcessGroup] = None,
+                              hybrid_cp_group_func=None, use_per_sequence_balancing: bool = False) -> dict:
+    """This context-parallel rank's part of `batch` (Megatron-Core's, at its path): every tensor
+    ([b, s, ...]; the attention mask [b, 1, s, s] along its queries) cut into 2 x CP chunks along
+    the sequence, of which CP rank r keeps r and 2CP-1-r (causal load balance). Packed sequences
+    (cu_seqlens) and hybrid CP are refused in one line."""
+    from . import parallel_state
+    from .transformer.cp_attention import split_for_cp_rank
+
+    if is_hybrid_cp or hybrid_cp_group_func is not None:
+        raise NotImplementedError("get_batch_on_this_cp_rank: hybrid context parallelism is not supported")
+    if batch.get("cu_seqlens") is not None:
+        raise NotImplementedError("get_batch_on_this_cp_rank: packed sequences (cu_seqlens) are not supported "
+                                  "with context parallelism")
+    group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1:
+        return batch
+    return {key: value if key in _CP_METADATA_KEYS or value is None else
+            split_for_cp_rank(value, 2 if key == "attention_mask" else 1, size, rank)
+            for key, value in batch.items()}

@@ -184,6 +184,12 @@ def _distributed(p) -> None:
     a = g.add_argument
     a("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks")
     a("--sequence-parallel", action="store_true", help="split norms and dropouts over TP ranks by sequence")
+    a("--context-parallel-size", type=int, default=1,
+      help="context-parallel ranks: each sequence split over them (world size = TP x CP x DP)")
+    a("--cp-comm-type", nargs="+", default=["p2p"],
+      help="context-parallel attention: p2p (a ring), all_gather or a2a (Ulysses); one, or one per layer")
+    a("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+      help="the a2a and p2p group sizes of --cp-comm-type a2a+p2p (their product is the CP size)")
     a("--use-torch-fsdp2", action="store_true", help="shard the model with TorchFullyShardedDataParallel")
     a("--torch-fsdp2-no-reshard-after-forward", action="store_true",
       help="keep gathered weights from forward to backward (ZeRO-2)")

@@ -188,9 +188,15 @@ def _validate_parallel_and_batch(parser, args) -> None:
     tp = args.tensor_model_parallel_size
     if not isinstance(tp, int) or tp < 1:
         return  # TransformerConfig's error (built next), in the flags' words
+    cp = args.context_parallel_size
+    if not isinstance(cp, int) or cp < 1:
+        parser.error(f"--context-parallel-size must be a positive integer, got {cp!r}")
     if world_size % tp != 0:
         parser.error(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp}")
-    args.data_parallel_size = dp = world_size // tp
+    if world_size % (tp * cp) != 0:
+        parser.error(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+                     f"--context-parallel-size {cp}")
+    args.data_parallel_size = dp = world_size // (tp * cp)
     if args.num_distributed_optimizer_instances >= 1 and dp % args.num_distributed_optimizer_instances != 0:
         parser.error(f"data-parallel size {dp} is not divisible by --num-distributed-optimizer-instances "
                      f"{args.num_distributed_optimizer_instances}")
@@ -219,6 +225,27 @@ def _validate_parallel_and_batch(parser, args) -> None:
     if args.sequence_parallel and args.seq_length % tp != 0:
         parser.error(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                      f"--tensor-model-parallel-size ({tp})")
+    _validate_context_parallel(parser, args, tp, cp)
+
+
+def _validate_context_parallel(parser, args, tp: int, cp: int) -> None:
+    """Megatron-LM's rules for --context-parallel-size and --cp-comm-type, before any collective."""
+    kinds = args.cp_comm_type
+    if len(kinds) not in (1, args.num_layers):
+        parser.error(f"--cp-comm-type takes one value or one per layer ({args.num_layers}), got {len(kinds)}")
+    args.cp_comm_type = kinds[0] if len(kinds) == 1 else list(kinds)
+    if args.hierarchical_context_parallel_sizes is not None and "a2a+p2p" not in kinds:
+        parser.error("--hierarchical-context-parallel-sizes goes with --cp-comm-type a2a+p2p")
+    if cp == 1:
+        return
+    split = 2 * cp * (tp if args.sequence_parallel else 1)
+    if args.seq_length % split != 0:
+        parser.error(f"--context-parallel-size {cp} needs --seq-length ({args.seq_length}) divisible by 2 x "
+                     f"--context-parallel-size" + (" x --tensor-model-parallel-size with --sequence-parallel"
+                                                    if args.sequence_parallel else "") + f" ({split})")
+    if args.reset_attention_mask:
+        parser.error("--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
+                     "attention is causal, without an explicit mask)")
 
 
 def _validate_schedule(parser, args) -> None:

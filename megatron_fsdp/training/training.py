@@ -135,7 +135,9 @@ def _pretrain_with(args, dataset_provider, model_provider, model_type, forward_s
                    manager: CheckpointManager) -> None:
     train_start = time.time()
     true_vocab_size = setup_tokenizer(args)
-    print_rank_last(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size} x "
+    cp = (f"context-parallel {args.context_parallel_size} ({args.cp_comm_type}) x "
+          if args.context_parallel_size > 1 else "")
+    print_rank_last(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size} x {cp}"
                     f"data-parallel {parallel_state.get_data_parallel_world_size()} on "
                     f"{parallel_state.get_device_type()}")
     beacon.mark("model and optimizer construction")

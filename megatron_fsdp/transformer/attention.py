@@ -17,6 +17,7 @@ from .. import parallel_state
 from ..models.common.embeddings.rotary_pos_embedding import apply_rotary_pos_emb
 from ..tensor_parallel import random as tp_random
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from .cp_attention import comm_type_of_layer, context_parallel_attention
 from .enums import AttnMaskType
 from .norms import build_norm
 from .utils import reject_unsupported_inputs
@@ -58,6 +59,8 @@ class DotProductAttention(nn.Module):
                                   packed_seq_params=packed_seq_params)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        if parallel_state.get_context_parallel_world_size() > 1:
+            return self._context_parallel(q, k, v, attention_mask, mask_type)
         seq = q.size(2)
         is_causal = mask_type == AttnMaskType.causal
         allowed = None
@@ -85,6 +88,25 @@ class DotProductAttention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, dropout_p=dropout_p, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+    def _context_parallel(self, q, k, v, attention_mask, mask_type) -> torch.Tensor:
+        """This CP rank's queries (its two chunks of the sequence) over the whole sequence
+        (cp_attention.py), causal: what Megatron's context parallelism computes."""
+        if mask_type != AttnMaskType.causal or attention_mask is not None:
+            raise NotImplementedError(
+                "context parallelism runs causal attention without an explicit mask: an attention_mask "
+                "(--reset-attention-mask, or a mask passed to the model) or a non-causal mask type is not "
+                "supported with --context-parallel-size > 1")
+        dropout_p = self.dropout_p if self.training else 0.0
+        rng = contextlib.nullcontext()
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            rng = tp_random.get_cuda_rng_tracker().fork()
+        with rng:
+            out = context_parallel_attention(
+                q, k, v, parallel_state.get_context_parallel_group(),
+                comm_type_of_layer(self.config.cp_comm_type, self.layer_number) or "p2p",
+                scale=self.softmax_scale, dropout_p=dropout_p)
         return out.permute(2, 0, 1, 3).flatten(2)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch.nn.functional as F
 
@@ -118,6 +118,9 @@ class TransformerConfig(ModelParallelConfig):
     ffn_hidden_size: Optional[int] = None
     kv_channels: Optional[int] = None
     softmax_scale: Optional[float] = None
+    # Megatron's: how context-parallel attention communicates ("p2p", "all_gather", "a2a"; one
+    # value, or one per layer). None is "p2p" (Megatron's default with Transformer Engine).
+    cp_comm_type: Optional[Union[str, list]] = None
 
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -227,6 +230,7 @@ class TransformerConfig(ModelParallelConfig):
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         self._check_recompute()
+        self._check_context_parallel()
         reject_unsupported(type(self).__name__, {name: (getattr(self, name), allowed) for name, allowed in (
             ("num_moe_experts", None),
             ("multi_latent_attention", False),
@@ -260,6 +264,25 @@ class TransformerConfig(ModelParallelConfig):
         else:
             raise ValueError(f"bias_activation_fusion=True needs activation_func F.gelu (GELU/GeGLU) or F.silu "
                              f"(SwiGLU), got {name}")
+
+    def _check_context_parallel(self):
+        """cp_comm_type's values (and count, one per layer), and what each needs of the heads."""
+        kinds = self.cp_comm_type if isinstance(self.cp_comm_type, (list, tuple)) else [self.cp_comm_type]
+        if isinstance(self.cp_comm_type, (list, tuple)) and len(kinds) != self.num_layers:
+            raise ValueError(f"cp_comm_type has {len(kinds)} values: one, or one per layer ({self.num_layers})")
+        allowed = ("p2p", "all_gather", "a2a", "a2a+p2p")
+        for kind in kinds:
+            if kind is not None and kind not in allowed:
+                raise ValueError(f"cp_comm_type {kind!r} is not one of {', '.join(allowed)}")
+            if kind == "a2a+p2p":
+                raise NotImplementedError("cp_comm_type 'a2a+p2p' (hierarchical context parallelism) is not "
+                                          "supported yet: use 'p2p', 'all_gather' or 'a2a'")
+        cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
+        if cp > 1 and "a2a" in kinds:
+            heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
+            if heads % cp or groups % cp:
+                raise ValueError(f"cp_comm_type 'a2a' needs the attention heads ({heads}) and query groups "
+                                 f"({groups}) of a tensor-parallel rank divisible by context_parallel_size ({cp})")
 
     def _check_recompute(self):
         if self.recompute_granularity not in _RECOMPUTE_GRANULARITIES:

@@ -12,6 +12,7 @@ from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from ...transformer.cp_attention import split_for_cp_rank
 from ...transformer.module import MegatronModule
 from ...transformer.transformer_block import TransformerBlock
 from ...transformer.utils import reject_unsupported_inputs
@@ -29,10 +30,10 @@ def _check_parallel_layout(config) -> None:
             f"the initialized tensor-parallel size ({tp})"
         )
     cp = parallel_state.get_context_parallel_world_size()
-    if cp != 1 or config.context_parallel_size != 1:
-        raise NotImplementedError(
-            f"context parallelism is not implemented in GPTModel's attention "
-            f"(context_parallel_size={max(cp, config.context_parallel_size)}, only 1 is supported)"
+    if config.context_parallel_size != cp:
+        raise ValueError(
+            f"config.context_parallel_size ({config.context_parallel_size}) differs from the initialized "
+            f"context-parallel size ({cp})"
         )
 
 
@@ -166,10 +167,14 @@ class GPTModel(MegatronModule):
                     padding_mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
         rotary_pos_emb = None
         if self.rotary_pos_emb is not None:
-            seq_len = decoder_input.size(0) * (
+            cp = parallel_state.get_context_parallel_world_size()
+            seq_len = decoder_input.size(0) * cp * (
                 parallel_state.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
+            # The whole sequence's angles, then this CP rank's chunks (Megatron's get_pos_emb_on_this_cp_rank).
+            angles = split_for_cp_rank(self.rotary_pos_emb(seq_len), 0, cp,
+                                       parallel_state.get_context_parallel_rank() if cp > 1 else 0)
             # fp32 angles, shielded from FSDP's mixed-precision cast of the layers' inputs.
-            rotary_pos_emb = shield_rotary_angles(self.rotary_pos_emb(seq_len))
+            rotary_pos_emb = shield_rotary_angles(angles)
         hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
                                      padding_mask=padding_mask, **(extra_block_kwargs or {}))
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None

@@ -1,0 +1,134 @@
+"""GPTModel with context parallelism against the dense one-process reference (tests/reference_gpt.py):
+each CP rank runs its two load-balanced chunks of every sequence (get_batch_on_this_cp_rank), and its
+per-token losses are the reference's at those positions; the gradients, summed over the CP group
+(each rank's tokens contribute their part), are the reference's. Causal, GQA, RoPE, SwiGLU, fp32."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import reference_gpt
+from helpers import FP32_TOLERANCE, assert_close_dicts, batch, full_grads, full_params, make_config, setup_parallel
+from megatron_fsdp import parallel_state
+from megatron_fsdp._torch_compat import local_tensor
+from megatron_fsdp.models.gpt import GPTModel
+from megatron_fsdp.transformer.cp_attention import split_for_cp_rank
+from megatron_fsdp.utils import get_batch_on_this_cp_rank
+
+VOCAB = 64
+VARIANTS = {
+    "gqa_swiglu_rope": dict(
+        config=dict(num_attention_heads=8, num_query_groups=4, gated_linear_unit=True, activation_func=F.silu,
+                    normalization="RMSNorm", add_bias_linear=False),
+        model=dict(position_embedding_type="rope")),
+    "learned_positions": dict(config=dict(), model=dict()),
+}
+
+
+def _case_cp_parity(tp: int, sequence_parallel: bool, comm_type: str, variant: str) -> None:
+    cp = dist.get_world_size() // tp
+    setup_parallel(tp, context_parallel_size=cp)
+    spec = VARIANTS[variant]
+    cfg = make_config(sequence_parallel=sequence_parallel, context_parallel_size=cp, cp_comm_type=comm_type,
+                      **spec["config"])
+    model_kwargs = dict(vocab_size=VOCAB, max_sequence_length=16, **spec["model"])
+    model = GPTModel(cfg, **model_kwargs)
+    ids, labels, positions, weights = batch(VOCAB)
+    mine = get_batch_on_this_cp_rank({"tokens": ids, "labels": labels, "position_ids": positions.contiguous(),
+                                      "weights": weights})
+    loss = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
+    (loss * mine["weights"]).sum().backward()
+    cp_group = parallel_state.get_context_parallel_group()
+    for p in model.parameters():
+        dist.all_reduce(local_tensor(p.grad), group=cp_group)  # each CP rank's tokens give part of every gradient
+    grads, params = full_grads(model), full_params(model)
+
+    ref_params = {name: p.clone().requires_grad_(True) for name, p in params.items()}
+    ref_loss = reference_gpt.gpt_forward(
+        ref_params, cfg, ids, labels, position_embedding_type=model_kwargs.get("position_embedding_type",
+                                                                                "learned_absolute"))
+    (ref_loss * weights).sum().backward()
+    rank = parallel_state.get_context_parallel_rank()
+    torch.testing.assert_close(loss.detach(), split_for_cp_rank(ref_loss.detach(), 1, cp, rank), **FP32_TOLERANCE)
+    assert_close_dicts(grads, {n: p.grad for n, p in ref_params.items()}, "gradient")
+
+
+@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+@pytest.mark.parametrize("world_size,tp,sequence_parallel,variant", [
+    (2, 1, False, "learned_positions"),     # CP 2
+    (4, 1, False, "gqa_swiglu_rope"),       # CP 4
+    (4, 2, True, "gqa_swiglu_rope"),        # TP 2 with sequence parallelism x CP 2
+])
+def test_gpt_with_context_parallelism_matches_the_dense_reference(pools, comm_type, world_size, tp,
+                                                                  sequence_parallel, variant):
+    pools(world_size).run(_case_cp_parity, tp, sequence_parallel, comm_type, variant)
+
+
+def _case_an_explicit_mask_is_refused():
+    setup_parallel(1, context_parallel_size=2)
+    model = GPTModel(make_config(context_parallel_size=2, cp_comm_type="all_gather"), vocab_size=VOCAB,
+                     max_sequence_length=16)
+    ids, labels, positions, _ = batch(VOCAB, s=8)
+    model(ids, positions, torch.zeros(2, 1, 8, 16, dtype=torch.bool), labels=labels)
+
+
+def test_an_explicit_attention_mask_is_refused_in_one_line(pools):
+    errors = pools(2).run_expecting_errors(_case_an_explicit_mask_is_refused)
+    assert all(e.type_name == "NotImplementedError" and "--context-parallel-size > 1" in e.message
+               for e in errors), errors[0].message
+
+
+@pytest.mark.slow  # pretrain() jobs in the worker pool
+@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+def test_pretrain_at_dp2_x_cp2_repeats_dp2_step_for_step(pools, comm_type):
+    """examples/pretrain_gpt.py with --context-parallel-size 2 (FSDP over the flattened DP x CP ranks,
+    the loss reported over DP x CP): the same losses, iteration by iteration, as DP 2 alone."""
+    from test_training import LINE, _pretrain
+
+    run = ["--train-iters", "4", "--eval-iters", "0"]
+    plain = _pretrain(pools, 2, *run)
+    cp = _pretrain(pools, 4, *run, "--context-parallel-size", "2", "--cp-comm-type", comm_type)
+    # (DP 4 would give the same losses too: the layout line says the job ran DP 2 x CP 2)
+    assert f"tensor-parallel 1 x context-parallel 2 ({comm_type}) x data-parallel 2 on" in cp.stdout, cp.stdout[-2000:]
+    losses = [{int(m[1]): float(m[6]) for m in map(LINE.search, job.stdout.splitlines()) if m} for job in (plain, cp)]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[1].keys() == losses[0].keys(), losses
+    for iteration, loss in losses[0].items():
+        assert losses[1][iteration] == pytest.approx(loss, rel=1e-5), (iteration, losses)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--context-parallel-size", "3"], "world size 4 is not divisible by --tensor-model-parallel-size 1 x "
+                                       "--context-parallel-size 3"),
+    (["--context-parallel-size", "4", "--seq-length", "36", "--max-position-embeddings", "36"],
+     "--context-parallel-size 4 needs --seq-length (36) divisible by 2 x --context-parallel-size (8)"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "36",
+      "--max-position-embeddings", "36"],
+     "divisible by 2 x --context-parallel-size x --tensor-model-parallel-size with --sequence-parallel (8)"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p"],
+     "--cp-comm-type takes one value or one per layer (2), got 3"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2", "--hidden-size", "64"],
+     "--cp-comm-type 'a2a' needs the attention heads (2) and query groups (2) of a tensor-parallel rank divisible by "
+     "--context-parallel-size (4)"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], "--cp-comm-type 'ring' is not one of p2p, all_gather, a2a"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"],
+     "--cp-comm-type 'a2a+p2p' (hierarchical context parallelism) is not supported yet"),
+    (["--hierarchical-context-parallel-sizes", "1", "2"], "--hierarchical-context-parallel-sizes goes with --cp-comm-type"),
+    (["--context-parallel-size", "2", "--reset-attention-mask"],
+     "--reset-attention-mask is not supported with --context-parallel-size > 1"),
+])
+def test_bad_context_parallel_flags_are_one_line_before_any_work(flags, message, capsys):
+    from test_usage_errors import _parse
+
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(*flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_good_context_parallel_flags():
+    from test_usage_errors import _parse
+
+    args = _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a")
+    assert args.data_parallel_size == 2 and args.cp_comm_type == "a2a"
+    assert _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a", "p2p").cp_comm_type == ["a2a", "p2p"]
