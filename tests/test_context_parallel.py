@@ -132,3 +132,36 @@ def test_good_context_parallel_flags():
     args = _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a")
     assert args.data_parallel_size == 2 and args.cp_comm_type == "a2a"
     assert _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a", "p2p").cp_comm_type == ["a2a", "p2p"]
+
+
+@pytest.mark.slow  # pretrain() jobs in the worker pool
+def test_checkpoints_are_context_parallel_invariant(pools, tmp_path):
+    """Saved at DP 2 x CP 2, resumed at CP 1 (DP 2) and at CP 4 (DP 1); saved at CP 1, resumed at
+    CP 2: each continues with the losses of the run it resumes (the same full weights and
+    optimizer state at any CP size)."""
+    from test_training import LINE, _pretrain
+
+    def losses(job):
+        return {int(m[1]): float(m[6]) for m in map(LINE.search, job.stdout.splitlines()) if m}
+
+    def tracker_to(ckpt, iteration):
+        with open(tmp_path / ckpt / "latest_checkpointed_iteration.txt", "w") as f:
+            f.write(f"{iteration}\n")
+
+    run = ["--train-iters", "4", "--eval-iters", "0", "--cp-comm-type", "all_gather"]
+    saved_at_cp2 = losses(_pretrain(pools, 4, *run, "--context-parallel-size", "2", "--save",
+                                    str(tmp_path / "cp2"), "--save-interval", "2"))
+    saved_at_cp1 = losses(_pretrain(pools, 2, *run, "--save", str(tmp_path / "cp1"), "--save-interval", "2"))
+    tracker_to("cp2", 2)
+    tracker_to("cp1", 2)
+    resumed = {
+        "cp2 -> cp1": (losses(_pretrain(pools, 2, *run, "--load", str(tmp_path / "cp2"))), saved_at_cp2),
+        "cp2 -> cp4": (losses(_pretrain(pools, 4, *run, "--context-parallel-size", "4", "--load",
+                                        str(tmp_path / "cp2"))), saved_at_cp2),
+        "cp1 -> cp2": (losses(_pretrain(pools, 4, *run, "--context-parallel-size", "2", "--load",
+                                        str(tmp_path / "cp1"))), saved_at_cp1),
+    }
+    for how, (got, reference) in resumed.items():
+        assert sorted(got) == [3, 4], (how, got)
+        for iteration in (3, 4):
+            assert got[iteration] == pytest.approx(reference[iteration], rel=1e-5), (how, got, reference)
