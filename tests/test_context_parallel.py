@@ -54,7 +54,7 @@ def _case_cp_parity(tp: int, sequence_parallel: bool, comm_type: str, variant: s
     assert_close_dicts(grads, {n: p.grad for n, p in ref_params.items()}, "gradient")
 
 
-@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 @pytest.mark.parametrize("world_size,tp,sequence_parallel,variant", [
     (2, 1, False, "learned_positions"),     # CP 2
     (4, 1, False, "gqa_swiglu_rope"),       # CP 4
@@ -80,7 +80,7 @@ def test_an_explicit_attention_mask_is_refused_in_one_line(pools):
 
 
 @pytest.mark.slow  # pretrain() jobs in the worker pool
-@pytest.mark.parametrize("comm_type", ["all_gather", "a2a"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 def test_pretrain_at_dp2_x_cp2_repeats_dp2_step_for_step(pools, comm_type):
     """examples/pretrain_gpt.py with --context-parallel-size 2 (FSDP over the flattened DP x CP ranks,
     the loss reported over DP x CP): the same losses, iteration by iteration, as DP 2 alone."""

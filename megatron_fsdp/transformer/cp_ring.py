@@ -283,7 +283,7 @@ def _block_backward(q, k, v, dout, lse, delta, scale, kind, keep, dropout_p):
     kept = probs
     if keep is not None:
         kept = probs * keep / (1.0 - dropout_p)
-        pass
+        dprobs = dprobs * keep / (1.0 - dropout_p)
     # NOTE: delta = rowsum(dO * O) over the full row, O the (dropped-out) output: this is the
     # softmax backward's sum_j P_ij dP_ij, with or without dropout.
     dscores = probs * (dprobs - delta.unsqueeze(-1))
