@@ -116,10 +116,14 @@ def test_pretrain_at_dp2_x_cp2_repeats_dp2_step_for_step(pools, comm_type):
     (["--hierarchical-context-parallel-sizes", "1", "2"], "--hierarchical-context-parallel-sizes goes with --cp-comm-type"),
     (["--context-parallel-size", "2", "--reset-attention-mask"],
      "--reset-attention-mask is not supported with --context-parallel-size > 1"),
+    (["--no-fsdp", "--context-parallel-size", "2"], "--context-parallel-size > 1 needs --use-torch-fsdp2"),
+    (["--context-parallel-size", "2", "--num-distributed-optimizer-instances", "2"],
+     "--context-parallel-size > 1 with --num-distributed-optimizer-instances > 1 (HSDP) is not supported"),
 ])
 def test_bad_context_parallel_flags_are_one_line_before_any_work(flags, message, capsys):
     from test_usage_errors import _parse
 
+    flags = flags[1:] if flags[0] == "--no-fsdp" else ["--use-torch-fsdp2", *flags]
     with pytest.raises(SystemExit) as exit_info:
         _parse(*flags)
     err = capsys.readouterr().err.strip().splitlines()
@@ -129,9 +133,10 @@ def test_bad_context_parallel_flags_are_one_line_before_any_work(flags, message,
 def test_good_context_parallel_flags():
     from test_usage_errors import _parse
 
-    args = _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a")
+    args = _parse("--use-torch-fsdp2", "--context-parallel-size", "2", "--cp-comm-type", "a2a")
     assert args.data_parallel_size == 2 and args.cp_comm_type == "a2a"
-    assert _parse("--context-parallel-size", "2", "--cp-comm-type", "a2a", "p2p").cp_comm_type == ["a2a", "p2p"]
+    assert _parse("--use-torch-fsdp2", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
+                  "p2p").cp_comm_type == ["a2a", "p2p"]
 
 
 @pytest.mark.slow  # pretrain() jobs in the worker pool
@@ -185,3 +190,40 @@ def test_the_readmes_long_context_command_runs_as_written(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tensor-parallel 1 x context-parallel 2 (a2a) x data-parallel 2" in proc.stdout
     assert re.search(r"iteration\s+10/\s+10 \|.*lm loss: [\d.E+]+ \|", proc.stdout), proc.stdout[-2000:]
+
+
+COMPOSITIONS = {
+    "recompute": dict(drop=[], add=["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                    "--recompute-num-layers", "1"], rel=1e-5),
+    "fp8": dict(drop=[], add=["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
+                              "--fp8-amax-history-len", "4"], rel=1e-3),  # bf16: 2.5e-4 seen
+}
+
+
+def _composition_job(pools, nproc: int, composition: str, *args: str):
+    from test_training import MODEL, RUN, _Job
+    from pretrain_in_pool import pretrain_gpt_job
+
+    spec = COMPOSITIONS[composition]
+    argv = [*MODEL, *[a for a in RUN if a not in spec["drop"]], *spec["add"], "--train-iters", "4",
+            "--eval-iters", "0", *args]
+    outcomes = pools(nproc).run(pretrain_gpt_job, argv, timeout=400)
+    out = "".join(text for _, text in outcomes)
+    assert all(code == 0 for code, _ in outcomes), out[-3000:]
+    return _Job(out)
+
+
+@pytest.mark.slow  # pretrain() jobs in the worker pool
+@pytest.mark.parametrize("composition", sorted(COMPOSITIONS))
+def test_context_parallelism_composes(pools, composition):
+    """DP 2 x CP 2 against DP 2 with the same flags: full activation recompute, fp8 with delayed scaling (the amax reduced
+    over TP x CP: the whole sequence's, as at DP 2; bf16, so to bf16's precision)."""
+    from test_training import LINE
+
+    plain = _composition_job(pools, 2, composition)
+    cp = _composition_job(pools, 4, composition, "--context-parallel-size", "2", "--cp-comm-type", "p2p")
+    assert "context-parallel 2 (p2p) x data-parallel 2" in cp.stdout
+    losses = [{int(m[1]): float(m[6]) for m in map(LINE.search, job.stdout.splitlines()) if m} for job in (plain, cp)]
+    assert sorted(losses[0]) == [1, 2, 3, 4] and losses[1].keys() == losses[0].keys(), losses
+    for iteration, loss in losses[0].items():
+        assert losses[1][iteration] == pytest.approx(loss, rel=COMPOSITIONS[composition]["rel"]), (iteration, losses)

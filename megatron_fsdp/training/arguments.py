@@ -246,6 +246,12 @@ def _validate_context_parallel(parser, args, tp: int, cp: int) -> None:
     if args.reset_attention_mask:
         parser.error("--reset-attention-mask is not supported with --context-parallel-size > 1 (context-parallel "
                      "attention is causal, without an explicit mask)")
+    if not args.use_torch_fsdp2:
+        parser.error("--context-parallel-size > 1 needs --use-torch-fsdp2: the replicated layout (a copy of the "
+                     "model on every rank) is not supported with context parallelism yet")
+    if args.num_distributed_optimizer_instances > 1:
+        parser.error("--context-parallel-size > 1 with --num-distributed-optimizer-instances > 1 (HSDP) is not "
+                     "supported: FSDP shards over the flattened data- and context-parallel ranks")
 
 
 def _validate_schedule(parser, args) -> None:
