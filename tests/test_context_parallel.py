@@ -247,3 +247,37 @@ def test_context_parallel_layers_compile_and_train_like_eager_ones(pools):
         assert [n for _, _, n in outcomes] == [(2, True) if compiled else (0, False)] * 4
         runs[compiled] = [float(x) for x in LOSS.findall(out)]
     assert len(runs[False]) == 3 and runs[True] == runs[False], runs
+
+
+def _case_a_rank_whose_tokens_are_all_masked():
+    from megatron_fsdp.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    setup_parallel(1, context_parallel_size=2)
+    model = GPTModel(make_config(context_parallel_size=2, cp_comm_type="p2p"), vocab_size=VOCAB,
+                     max_sequence_length=16)
+    ids, labels, positions, _ = batch(VOCAB)
+    loss_mask = torch.zeros(2, 16)
+    loss_mask[:, :4] = loss_mask[:, 12:] = 1  # chunks 0 and 3: CP rank 0's; rank 1 (chunks 1, 2) has none
+    mine = get_batch_on_this_cp_rank({"tokens": ids, "labels": labels, "position_ids": positions.contiguous(),
+                                      "loss_mask": loss_mask})
+
+    def loss_func(mask, output):
+        loss = (output.view(-1).float() * mask.view(-1)).sum()
+        tokens = mask.sum().to(torch.int)
+        return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1).float()])}
+
+    def forward_step(data_iterator, model):
+        return model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"]), \
+            lambda output: loss_func(mine["loss_mask"], output)
+
+    reports = forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=iter([None]),
+                                             model=model, num_microbatches=1)
+    assert mine["loss_mask"].sum() == (0 if parallel_state.get_context_parallel_rank() == 1 else 16)
+    grads = [local_tensor(p.grad) for p in model.parameters()]
+    assert all(torch.isfinite(g).all() for g in grads)
+    return torch.isfinite(reports[0]["lm loss"]).all().item()
+
+
+def test_a_context_parallel_rank_whose_tokens_are_all_masked_gives_no_nan(pools):
+    """Megatron-LM #1764: a CP rank whose every token is masked out of the loss adds zero, not NaN."""
+    assert pools(2).run(_case_a_rank_whose_tokens_are_all_masked) == [True, True]
