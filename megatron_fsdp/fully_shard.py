@@ -103,6 +103,18 @@ def _unit_classes(fsdp_unit_modules) -> frozenset:
     return frozenset(classes)
 
 
+def _has_dim(device_mesh: DeviceMesh, name: str) -> bool:
+    """`name` is one of the mesh's dimensions, or one flattened from them (DeviceMesh._flatten: NVIDIA's
+    dp_shard_cp, the data- and context-parallel ranks FSDP shards over)."""
+    if name in (device_mesh.mesh_dim_names or ()):
+        return True
+    try:
+        device_mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
+
+
 def _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group) -> None:
     if device_mesh is None:
         given = [n for n, v in (("dp_outer_dim", dp_outer_dim), ("hybrid_fsdp_group", hybrid_fsdp_group)) if v]
@@ -115,8 +127,9 @@ def _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_gro
     if dp_shard_dim is None:
         raise ValueError(f"device_mesh given: dp_shard_dim must name its sharding dimension (one of {names})")
     for arg, dim in (("dp_shard_dim", dp_shard_dim), ("dp_outer_dim", dp_outer_dim), ("tp_dim", tp_dim)):
-        if dim is not None and dim not in names:
-            raise ValueError(f"{arg}={dim!r} is not a dimension of device_mesh (its dimensions: {names})")
+        if dim is not None and not _has_dim(device_mesh, dim):
+            raise ValueError(f"{arg}={dim!r} is not a dimension of device_mesh (its dimensions: {names}, or one "
+                             "flattened from them, as dp_shard_cp from dp_shard and cp)")
     if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
         raise ValueError(f"dp_outer_dim={dp_outer_dim!r} and hybrid_fsdp_group={hybrid_fsdp_group!r} go together "
                          "(HSDP) or are both None")

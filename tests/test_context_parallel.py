@@ -281,3 +281,33 @@ def _case_a_rank_whose_tokens_are_all_masked():
 def test_a_context_parallel_rank_whose_tokens_are_all_masked_gives_no_nan(pools):
     """Megatron-LM #1764: a CP rank whose every token is masked out of the loss adds zero, not NaN."""
     assert pools(2).run(_case_a_rank_whose_tokens_are_all_masked) == [True, True]
+
+
+def _case_nvidia_fully_shard_over_dp_x_cp():
+    from megatron_fsdp.fully_shard import fully_shard_model
+
+    setup_parallel(1, context_parallel_size=2)
+    cfg = make_config(context_parallel_size=2, cp_comm_type="p2p", **VARIANTS["gqa_swiglu_rope"]["config"])
+    model = GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=16, position_embedding_type="rope")
+    params = full_params(model)
+    # NVIDIA Megatron-FSDP's way: dp_shard_dim names the flattened data- x context-parallel dimension.
+    model = fully_shard_model(model, device_mesh=parallel_state.get_device_mesh(), dp_shard_dim="dp_shard_cp",
+                              tp_dim="tp")
+    ids, labels, positions, weights = batch(VOCAB)
+    mine = get_batch_on_this_cp_rank({"tokens": ids, "labels": labels, "position_ids": positions.contiguous(),
+                                      "weights": weights})
+    loss = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"])
+    (loss * mine["weights"]).sum().backward()
+    if hasattr(model, "finish_grad_sync"):
+        model.finish_grad_sync()
+    grads = {name.removeprefix("module."): p.grad.full_tensor() for name, p in model.named_parameters()}
+
+    ref_params = {name: p.clone().requires_grad_(True) for name, p in params.items()}
+    ref_loss = reference_gpt.gpt_forward(ref_params, cfg, ids, labels, position_embedding_type="rope")
+    (ref_loss * weights).sum().backward()
+    # FSDP averages the gradient over its 2 ranks (the CP ranks here): half the whole sequence's.
+    assert_close_dicts(grads, {n: p.grad / 2 for n, p in ref_params.items()}, "gradient")
+
+
+def test_nvidias_fully_shard_shards_over_the_flattened_dp_x_cp_mesh(pools):
+    pools(2).run(_case_nvidia_fully_shard_over_dp_x_cp)
