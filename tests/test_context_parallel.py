@@ -311,3 +311,28 @@ def _case_nvidia_fully_shard_over_dp_x_cp():
 
 def test_nvidias_fully_shard_shards_over_the_flattened_dp_x_cp_mesh(pools):
     pools(2).run(_case_nvidia_fully_shard_over_dp_x_cp)
+
+
+def _case_meta_init_at_tp2_x_cp2():
+    from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron_fsdp.initialization import initialize_parameters
+
+    setup_parallel(2, context_parallel_size=2)
+    cfg = make_config(sequence_parallel=True, context_parallel_size=2, cp_comm_type="p2p")
+    with torch.device("meta"):
+        model = GPTModel(cfg, vocab_size=VOCAB, max_sequence_length=16, position_embedding_type="rope")
+    wrapped = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(), model)
+    sharded = full_params(wrapped.module)
+    parallel_state.destroy_model_parallel()
+    setup_parallel(1)
+    with torch.device("meta"):
+        whole = GPTModel(make_config(), vocab_size=VOCAB, max_sequence_length=16, position_embedding_type="rope")
+    whole.to_empty(device="cpu")
+    initialize_parameters(whole)
+    assert_close_dicts(sharded, full_params(whole), "meta-initialized weight", rtol=0, atol=0)
+
+
+def test_meta_init_gives_the_same_weights_with_context_parallelism(pools):
+    """A meta-device model wrapped at TP 2 x CP 2 (FSDP over the CP ranks) gets, rank by rank, its
+    part of the weights one whole model initialized in one process gets."""
+    pools(4).run(_case_meta_init_at_tp2_x_cp2)
