@@ -125,6 +125,9 @@ def main() -> None:
         raise SystemExit("generate_gpt.py needs --load CHECKPOINT_DIR")
     # One sequence at a time, of any length: nothing to split across tensor-parallel ranks.
     args.sequence_parallel = False
+    if args.context_parallel_size != 1:
+        raise SystemExit(f"generate_gpt.py runs at --context-parallel-size 1 (got {args.context_parallel_size}): "
+                         "a checkpoint saved at any context-parallel size loads there")
     with report_errors():  # an error from here on: one line for the job, exit code 1
         initialize_distributed(args)
         with distributed_job():

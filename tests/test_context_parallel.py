@@ -3,6 +3,8 @@ each CP rank runs its two load-balanced chunks of every sequence (get_batch_on_t
 per-token losses are the reference's at those positions; the gradients, summed over the CP group
 (each rank's tokens contribute their part), are the reference's. Causal, GQA, RoPE, SwiGLU, fp32."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from megatron_fsdp.transformer.cp_attention import split_for_cp_rank
 from megatron_fsdp.utils import get_batch_on_this_cp_rank
 
 VOCAB = 64
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/.*\| grad norm: ([\d.E+-]+) \|")
 VARIANTS = {
     "gqa_swiglu_rope": dict(
         config=dict(num_attention_heads=8, num_query_groups=4, gated_linear_unit=True, activation_func=F.silu,
@@ -95,6 +98,12 @@ def test_pretrain_at_dp2_x_cp2_repeats_dp2_step_for_step(pools, comm_type):
     assert sorted(losses[0]) == [1, 2, 3, 4] and losses[1].keys() == losses[0].keys(), losses
     for iteration, loss in losses[0].items():
         assert losses[1][iteration] == pytest.approx(loss, rel=1e-5), (iteration, losses)
+    # The gradient's scale too (Adam and clipping hide a gradient off by the CP factor from the losses).
+    norms = [{int(m[1]): float(m[2]) for m in map(GRAD_NORM.search, job.stdout.splitlines()) if m}
+             for job in (plain, cp)]
+    assert sorted(norms[0]) == [1, 2, 3, 4], norms
+    for iteration, norm in norms[0].items():
+        assert norms[1][iteration] == pytest.approx(norm, abs=2e-3), (iteration, norms)  # printed: 3 decimals
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -193,6 +202,8 @@ def test_the_readmes_long_context_command_runs_as_written(tmp_path):
 
 
 COMPOSITIONS = {
+    # The loss mask differs between the CP ranks' chunks: the gradient must not depend on how.
+    "eod_mask_loss": dict(drop=[], add=["--eod-mask-loss"], rel=1e-5),
     "recompute": dict(drop=[], add=["--recompute-granularity", "full", "--recompute-method", "uniform",
                                     "--recompute-num-layers", "1"], rel=1e-5),
     "fp8": dict(drop=[], add=["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed",
@@ -224,9 +235,14 @@ def test_context_parallelism_composes(pools, composition):
     cp = _composition_job(pools, 4, composition, "--context-parallel-size", "2", "--cp-comm-type", "p2p")
     assert "context-parallel 2 (p2p) x data-parallel 2" in cp.stdout
     losses = [{int(m[1]): float(m[6]) for m in map(LINE.search, job.stdout.splitlines()) if m} for job in (plain, cp)]
+    norms = [{int(m[1]): float(m[2]) for m in map(GRAD_NORM.search, job.stdout.splitlines()) if m}
+             for job in (plain, cp)]
     assert sorted(losses[0]) == [1, 2, 3, 4] and losses[1].keys() == losses[0].keys(), losses
     for iteration, loss in losses[0].items():
         assert losses[1][iteration] == pytest.approx(loss, rel=COMPOSITIONS[composition]["rel"]), (iteration, losses)
+        # (printed with 3 decimals; bf16 fp8: 1.1% seen)
+        norm_tolerance = dict(rel=3e-2) if composition == "fp8" else dict(abs=2e-3)
+        assert norms[1][iteration] == pytest.approx(norms[0][iteration], **norm_tolerance), (iteration, norms)
 
 
 @pytest.mark.slow  # compiles on 2 cores
@@ -270,16 +286,28 @@ def _case_a_rank_whose_tokens_are_all_masked():
         return model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"]), \
             lambda output: loss_func(mine["loss_mask"], output)
 
+    params = full_params(model)
     reports = forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=iter([None]),
                                              model=model, num_microbatches=1)
     assert mine["loss_mask"].sum() == (0 if parallel_state.get_context_parallel_rank() == 1 else 16)
-    grads = [local_tensor(p.grad) for p in model.parameters()]
-    assert all(torch.isfinite(g).all() for g in grads)
+    for p in model.parameters():
+        assert torch.isfinite(local_tensor(p.grad)).all()
+        # What FSDP does over DP x CP: the average of the ranks' gradients.
+        dist.all_reduce(local_tensor(p.grad), group=parallel_state.get_context_parallel_group())
+        local_tensor(p.grad).div_(2)
+    # The gradient of the whole sequences' per-token mean loss, as at CP 1 (not half of it: rank 1
+    # has no tokens; not weighted by each rank's own count either).
+    ref_params = {name: p.clone().requires_grad_(True) for name, p in params.items()}
+    ref_loss = reference_gpt.gpt_forward(ref_params, model.config, ids, labels)
+    ((ref_loss * loss_mask).sum() / loss_mask.sum()).backward()
+    assert_close_dicts(full_grads(model), {n: p.grad for n, p in ref_params.items()}, "gradient")
     return torch.isfinite(reports[0]["lm loss"]).all().item()
 
 
 def test_a_context_parallel_rank_whose_tokens_are_all_masked_gives_no_nan(pools):
-    """Megatron-LM #1764: a CP rank whose every token is masked out of the loss adds zero, not NaN."""
+    """Megatron-LM #1764: a CP rank whose every token is masked out of the loss adds zero, not NaN;
+    and the gradient is the whole sequences' per-token mean's, as at CP 1 (each rank dividing by its
+    own token count gave half of it here, and with uneven masks a gradient that changed with CP)."""
     assert pools(2).run(_case_a_rank_whose_tokens_are_all_masked) == [True, True]
 
 
@@ -336,3 +364,25 @@ def test_meta_init_gives_the_same_weights_with_context_parallelism(pools):
     """A meta-device model wrapped at TP 2 x CP 2 (FSDP over the CP ranks) gets, rank by rank, its
     part of the weights one whole model initialized in one process gets."""
     pools(4).run(_case_meta_init_at_tp2_x_cp2)
+
+
+def test_generation_refuses_context_parallelism_in_one_line(monkeypatch, capsys):
+    """examples/generate_gpt.py runs at CP 1 (the whole prompt on every rank): another CP size is
+    refused before start-up, not run as if the prompt were this rank's chunks."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "examples"))
+    import generate_gpt
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(generate_gpt, "check_launched_by_torchrun", lambda *a: None)
+    monkeypatch.setattr(sys, "argv", ["generate_gpt.py", "--load", "ckpt", "--num-layers", "2", "--hidden-size", "32",
+                                      "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
+                                      "--micro-batch-size", "1", "--use-torch-fsdp2", "--context-parallel-size", "2",
+                                      "--prompts", "hello"])
+    with pytest.raises(SystemExit) as exit_info:
+        generate_gpt.main()
+    assert "generate_gpt.py runs at --context-parallel-size 1 (got 2)" in str(exit_info.value.code)

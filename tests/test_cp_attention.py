@@ -72,3 +72,22 @@ def test_the_split_is_megatron_cores(cp_size):
         assert torch.equal(cp_attention.positions_of_rank(seq // cp_size, cp_size, rank), want[0])
     with pytest.raises(ValueError, match="cannot be split in 2 x context parallel size"):
         cp_attention.split_for_cp_rank(torch.zeros(1, 2 * cp_size * 3 + 1), 1, 2, 0)
+
+
+def _case_dropout_masks_differ_between_cp_ranks(comm_type: str):
+    size = dist.get_world_size()
+    setup_parallel(1, context_parallel_size=size)
+    group = parallel_state.get_context_parallel_group()
+    torch.manual_seed(7)  # every CP rank the same generator state, as in training
+    # Every head the same: a head's output differs from another's only by its dropout mask.
+    one = torch.randn(B, 1, 4 * size, D, generator=torch.Generator().manual_seed(1))
+    q = k = v = one.expand(B, 4, 4 * size, D).contiguous()
+    out = cp_attention.context_parallel_attention(q, k, v, group, comm_type, scale=0.3, dropout_p=0.5)
+    return [not torch.equal(out[:, 0], out[:, h]) for h in range(1, 4)]
+
+
+@pytest.mark.parametrize("comm_type", ["a2a"])
+def test_attention_dropout_masks_differ_between_cp_ranks(pools, comm_type):
+    """a2a: CP rank r draws the masks of heads [rH/P, (r+1)H/P) for the whole sequence; drawn from
+    the same generator on every rank, head 0's and head 2's would be identical (at P = 2)."""
+    assert all(all(differs) for differs in pools(2).run(_case_dropout_masks_differ_between_cp_ranks, comm_type))

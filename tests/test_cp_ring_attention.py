@@ -137,7 +137,7 @@ def _case_dropout(cp, p):
     q, k, v, dout = _full_inputs(cp, 4, 2, seed=2)
     pos = _positions(cp, rank)
     torch.manual_seed(77)
-    seed = cp_ring._dropout_seed(torch.device("cpu"))
+    seed = cp_ring.dropout_seed(torch.device("cpu"))
     torch.manual_seed(77)  # every CP rank draws the same seed, as Megatron's CP ranks share their RNG state
     first = _ring(q, k, v, dout, pos, dropout_p=p)
     _assert_matches(first, _reference(q, k, v, dout, _dropped_attention(seed, cp, p)), pos)
@@ -160,3 +160,19 @@ def test_bad_inputs_are_refused_before_any_communication(shapes, dropout_p, matc
     q, k, v = (torch.zeros(s) for s in shapes)
     with pytest.raises(ValueError, match=match):
         ring_attention(q, k, v, None, scale=1.0, dropout_p=dropout_p)
+
+
+def _case_compiled_dropout_draws_new_masks_each_call():
+    setup_parallel(1, context_parallel_size=2)
+    group = parallel_state.get_context_parallel_group()
+    q = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(ring_attention, backend="aot_eager")
+    outs = [compiled(q, q, q, group, scale=0.3, dropout_p=0.5) for _ in range(3)]
+    return [not torch.equal(outs[0], other) for other in outs[1:]]
+
+
+@pytest.mark.slow  # a compile
+def test_the_ring_compiled_draws_new_dropout_masks_at_every_call(pools):
+    """Traced by torch.compile, the call's dropout seed is still drawn at each call (not a constant
+    of the graph: the same masks every step)."""
+    assert pools(2).run(_case_compiled_dropout_draws_new_masks_each_call) == [[True, True]] * 2

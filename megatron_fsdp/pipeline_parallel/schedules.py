@@ -78,7 +78,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
         if len(outputs) == 3:
             output_tensor, num_tokens, loss_reduced = outputs
             # A microbatch whose tokens are all masked contributes zero, not NaN.
-            output_tensor = output_tensor / torch.clamp(num_tokens, min=1)
+            output_tensor = output_tensor / torch.clamp(_tokens_of_whole_sequences(num_tokens, cp_group_size),
+                                                        min=1) * cp_group_size
             output_tensor = output_tensor / num_microbatches
         elif len(outputs) == 2:
             output_tensor, loss_reduced = outputs
@@ -90,6 +91,18 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
     if timer is not None:
         timer.stop()
     return output_tensor, num_tokens
+
+
+def _tokens_of_whole_sequences(num_tokens: torch.Tensor, cp_group_size: int) -> torch.Tensor:
+    """The loss's tokens in the whole sequences: under context parallelism each rank counts only its
+    chunks', and dividing by those would weigh a rank with fewer unmasked tokens more (and the
+    gradient, which FSDP then averages over DP x CP, would change with the CP size). Times CP
+    above, the average over the CP ranks is the whole sequences' per-token mean."""
+    if cp_group_size == 1:
+        return num_tokens
+    total = num_tokens.detach().clone()
+    torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    return total
 
 
 def backward_step(input_tensor, output_tensor, output_tensor_grad, config):

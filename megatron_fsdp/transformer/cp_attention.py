@@ -7,9 +7,9 @@ under the causal mask. Tokens, labels, loss mask and positions are split alike, 
 local sequence is 2c tokens whose global positions are [rc, (r+1)c) then [(2P-1-r)c, (2P-r)c).
 
 The attention of the local queries over the whole sequence, by `--cp-comm-type`:
-- `all_gather`: K/V of every rank gathered into the whole sequence (their gradients summed
-  back to their ranks in the backward), the local queries attending under a mask built from
-  their global positions.
+- `all_gather`: K/V of every rank gathered into the whole sequence (their gradients
+  reduce-scattered back to their ranks in the backward), each local query chunk attending to the
+  keys up to its own end, causal aligned to the bottom right (no mask tensor).
 - `a2a` (Ulysses): an all-to-all trades heads for sequence (each rank then holds the whole
   sequence for heads/P of the heads), local causal attention, and an all-to-all back. Needs the
   query heads and K/V groups divisible by P.
@@ -21,11 +21,13 @@ hkv, only the hkv groups travel) in this rank's layout and returns [b, hq, 2c, d
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
@@ -86,27 +88,36 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         size = dist.get_world_size(group)
-        parts = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        return _to_natural(torch.cat(parts, dim=2), 2, size)
+        gathered = torch.empty(size * local.size(0), *local.shape[1:], dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)  # ranks' parts along dim 0
+        gathered = gathered.unflatten(0, (size, -1))
+        # [P, b, h, 2c, d]: the ranks' parts end to end along the sequence, then in its own order
+        return _to_natural(gathered.permute(1, 2, 0, 3, 4).flatten(2, 3), 2, size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        total = grad.contiguous()
-        # NOTE: every rank's queries contribute to every chunk's K/V: the sum, then this rank's part.
-        # (An all-reduce, which gloo has; reduce-scatter would move 1/P of it.)
-        dist.all_reduce(total, group=ctx.group)
-        return split_for_cp_rank(total, 2, size, rank), None
+        size = dist.get_world_size(ctx.group)
+        # NOTE: every rank's queries contribute to every chunk's K/V: summed over the ranks, each
+        # keeping its own chunks (the ranks' parts end to end: rank r's is the r-th slice).
+        parts = _to_zigzag(grad, 2, size).unflatten(2, (size, -1)).permute(2, 0, 1, 3, 4).contiguous()
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter_tensor(mine, parts.flatten(0, 1), group=ctx.group)
+        return mine, None
 
 
 def all_gather_attention(q, k, v, group, *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Each of this rank's two query chunks attends to the keys up to its own end, causal
+    aligned to the bottom right: no [2c, s] mask, and a kernel that takes a causal bias."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     keys, values = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
-    queries_at = positions_of_rank(q.size(2), size, rank, q.device)
-    allowed = queries_at[:, None] >= torch.arange(keys.size(2), device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, dropout_p=dropout_p, scale=scale,
-                                          enable_gqa=q.size(1) != keys.size(1))
+    chunk = q.size(2) // 2
+    outputs = []
+    for queries, index in zip(q.split(chunk, dim=2), chunks_of_rank(size, rank)):
+        end = (index + 1) * chunk
+        outputs.append(F.scaled_dot_product_attention(
+            queries, keys[:, :, :end], values[:, :, :end], attn_mask=causal_lower_right(chunk, end),
+            dropout_p=dropout_p, scale=scale, enable_gqa=q.size(1) != keys.size(1)))
+    return torch.cat(outputs, dim=2)
 
 
 # ------------------------------------------------------------------ a2a (Ulysses)
@@ -162,15 +173,32 @@ def context_parallel_attention(q, k, v, group, comm_type: str, *, scale: float,
                                dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence (see the module's
     docstring); `group` the CP group, `comm_type` Megatron's --cp-comm-type."""
-    if comm_type == "all_gather":
-        return all_gather_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
-    if comm_type == "a2a":
-        return a2a_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
+    if comm_type in ("all_gather", "a2a"):
+        attention = all_gather_attention if comm_type == "all_gather" else a2a_attention
+        with dropout_of_this_rank(q.device, dist.get_rank(group)) if dropout_p > 0 else contextlib.nullcontext():
+            return attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
     if comm_type == "p2p":
         from .cp_ring import ring_attention
 
         return ring_attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
     raise ValueError(f"cp_comm_type {comm_type!r} is not supported (one of {', '.join(CP_COMM_TYPES)})")
+
+
+@contextlib.contextmanager
+def dropout_of_this_rank(device: torch.device, cp_rank: int):
+    """Inside, `device`'s generator draws a stream of this CP rank's own, seeded from the current
+    one (which every CP rank shares, and which advances alike on each): the CP ranks' attention
+    dropout masks differ (a2a: rank r's heads; all_gather: its query chunks), as one process's
+    would, and a recompute that restores the RNG state draws them again."""
+    from .cp_ring import dropout_seed
+
+    seed = dropout_seed(device)
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        generator = torch.cuda.default_generators[devices[0]] if devices else torch.default_generator
+        generator.manual_seed((seed + 0x9E3779B97F4A7C15 * (cp_rank + 1)) % (1 << 63))
+        yield
 
 
 def comm_type_of_layer(cp_comm_type, layer_number: int) -> Optional[str]:

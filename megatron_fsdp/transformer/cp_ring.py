@@ -150,7 +150,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, dropout_p):
         ring = _Ring(group)
-        dropout = _Dropout(dropout_p, _dropout_seed(q.device) if dropout_p > 0 else None)
+        dropout = _Dropout(dropout_p, dropout_seed(q.device) if dropout_p > 0 else None)
         out, lse = _forward_ring(ring, q, k, v, scale, dropout)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -316,7 +316,8 @@ def dropout_keep_mask(seed: int, q_chunk: int, k_chunk: int, shape, p: float, de
     return (torch.rand(shape, generator=generator, device=device) >= p).float()
 
 
-def _dropout_seed(device: torch.device) -> int:
+@torch.compiler.disable  # NOTE: run at every call; traced, the seed would be a constant of the graph
+def dropout_seed(device: torch.device) -> int:
     """A call's dropout seed, from the current RNG state of `device`, which it then advances."""
     if device.type == "cuda":
         state = torch.cuda.get_rng_state(device)  # host-side (seed, offset): no sync
