@@ -35,6 +35,7 @@ from ._process_groups import (
 )
 from . import _torch_compat
 from .utils import reject_unsupported as _reject_unsupported
+from .utils import serve_context_parallel_group as _serve_context_parallel_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +293,9 @@ def get_model_parallel_src_rank() -> int:
 
 def get_context_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
     return _group("cp", check_initialized)
+
+
+_serve_context_parallel_group(get_context_parallel_group)  # utils.get_batch_on_this_cp_rank's default
 
 
 def get_context_parallel_world_size() -> int:

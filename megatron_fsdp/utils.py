@@ -255,23 +255,47 @@ def get_model_config(model):
 # ---------------------------------------------------------------- context parallelism
 
 _CP_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+# parallel_state's get_context_parallel_group, registered by parallel_state (which imports this module).
+_context_parallel_group: Optional[Any] = None
+
+
+def serve_context_parallel_group(getter) -> None:
+    """parallel_state hands over its CP group getter: the default of get_batch_on_this_cp_rank."""
+    global _context_parallel_group
+    _context_parallel_group = getter
+
+
+def chunks_of_rank(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two of the 2 x cp_size chunks of a sequence a CP rank keeps (causal load balance)."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def split_for_cp_rank(t: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """`t`'s part on CP rank `cp_rank`: its two chunks along `seq_dim`, concatenated."""
+    if cp_size == 1:
+        return t
+    if t.size(seq_dim) % (2 * cp_size):
+        raise ValueError(f"a sequence of {t.size(seq_dim)} tokens cannot be split in 2 x context parallel size "
+                         f"({2 * cp_size}) equal chunks")
+    shaped = t.view(*t.shape[:seq_dim], 2 * cp_size, t.size(seq_dim) // (2 * cp_size), *t.shape[seq_dim + 1:])
+    index = torch.tensor(chunks_of_rank(cp_size, cp_rank), device=t.device)
+    kept = shaped.index_select(seq_dim, index)
+    return kept.reshape(*t.shape[:seq_dim], -1, *t.shape[seq_dim + 1:])
 
 
 def get_batch_on_this_cp_rank(batch: dict, is_hybrid_cp: bool = False, cp_group: Optional[dist.ProcessGroup] = None,
                               hybrid_cp_group_func=None, use_per_sequence_balancing: bool = False) -> dict:
     """This context-parallel rank's part of `batch` (Megatron-Core's, at its path): every tensor
     ([b, s, ...]; the attention mask [b, 1, s, s] along its queries) cut into 2 x CP chunks along
-    the sequence, of which CP rank r keeps r and 2CP-1-r (causal load balance). Packed sequences
-    (cu_seqlens) and hybrid CP are refused in one line."""
-    from . import parallel_state
-    from .transformer.cp_attention import split_for_cp_rank
-
+    the sequence, of which CP rank r keeps r and 2CP-1-r (causal load balance). `cp_group`:
+    parallel_state's CP group by default. Packed sequences (cu_seqlens) and hybrid CP are
+    refused in one line."""
     if is_hybrid_cp or hybrid_cp_group_func is not None:
         raise NotImplementedError("get_batch_on_this_cp_rank: hybrid context parallelism is not supported")
     if batch.get("cu_seqlens") is not None:
         raise NotImplementedError("get_batch_on_this_cp_rank: packed sequences (cu_seqlens) are not supported "
                                   "with context parallelism")
-    group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+    group = cp_group if cp_group is not None else _context_parallel_group()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1:
         return batch

@@ -118,7 +118,8 @@ def _case_gpt_model_errors(case):
     ("position_type", "ValueError", "got 'alibi'"),
     ("too_long", "ValueError", "sequence length 16 exceeds max_sequence_length 8"),
     ("sp_seq_len", "ValueError", "sequence length 15 is not divisible by the tensor-parallel size 2"),
-    ("context_parallel", "NotImplementedError", "context parallelism is not implemented"),
+    ("context_parallel", "ValueError", "config.context_parallel_size (2) differs from the initialized "
+                                       "context-parallel size (1)"),
 ])
 def test_gpt_model_rejects_on_every_rank(pools, case, error, match):
     errors = pools(2).run_expecting_errors(_case_gpt_model_errors, case)

@@ -15,8 +15,7 @@ from helpers import FP32_TOLERANCE, assert_close_dicts, batch, full_grads, full_
 from megatron_fsdp import parallel_state
 from megatron_fsdp._torch_compat import local_tensor
 from megatron_fsdp.models.gpt import GPTModel
-from megatron_fsdp.transformer.cp_attention import split_for_cp_rank
-from megatron_fsdp.utils import get_batch_on_this_cp_rank
+from megatron_fsdp.utils import get_batch_on_this_cp_rank, split_for_cp_rank
 
 VOCAB = 64
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/.*\| grad norm: ([\d.E+-]+) \|")

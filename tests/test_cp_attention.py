@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import setup_parallel
 from megatron_fsdp import parallel_state
 from megatron_fsdp.transformer import cp_attention
+from megatron_fsdp.utils import split_for_cp_rank
 
 B, D, CHUNK = 2, 8, 3
 
@@ -31,11 +32,11 @@ def _case_matches_the_whole_sequence(comm_type: str, hq: int, hkv: int):
     group, rank = parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
     seq = 2 * size * CHUNK
     expected = _reference(hq, hkv, seq)
-    split = [cp_attention.split_for_cp_rank(t, 2, size, rank) for t in expected]
-    q, k, v = (cp_attention.split_for_cp_rank(_whole(s, h, seq), 2, size, rank).requires_grad_()
+    split = [split_for_cp_rank(t, 2, size, rank) for t in expected]
+    q, k, v = (split_for_cp_rank(_whole(s, h, seq), 2, size, rank).requires_grad_()
                for s, h in ((1, hq), (2, hkv), (3, hkv)))
     out = cp_attention.context_parallel_attention(q, k, v, group, comm_type, scale=0.3)
-    (out * cp_attention.split_for_cp_rank(_whole(4, hq, seq), 2, size, rank)).sum().backward()
+    (out * split_for_cp_rank(_whole(4, hq, seq), 2, size, rank)).sum().backward()
     for name, got, want in zip(("output", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), split):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{comm_type} {name}: {m}")
     return True
@@ -65,13 +66,13 @@ def test_the_split_is_megatron_cores(cp_size):
     seq = 2 * cp_size * 3
     tokens = torch.arange(2 * seq).view(2, seq)
     for rank in range(cp_size):
-        got = cp_attention.split_for_cp_rank(tokens, 1, cp_size, rank)
+        got = split_for_cp_rank(tokens, 1, cp_size, rank)
         chunks = tokens.view(2, 2 * cp_size, -1)
         want = torch.cat([chunks[:, rank], chunks[:, 2 * cp_size - 1 - rank]], dim=1)
         assert torch.equal(got, want)
         assert torch.equal(cp_attention.positions_of_rank(seq // cp_size, cp_size, rank), want[0])
     with pytest.raises(ValueError, match="cannot be split in 2 x context parallel size"):
-        cp_attention.split_for_cp_rank(torch.zeros(1, 2 * cp_size * 3 + 1), 1, 2, 0)
+        split_for_cp_rank(torch.zeros(1, 2 * cp_size * 3 + 1), 1, 2, 0)
 
 
 def _case_dropout_masks_differ_between_cp_ranks(comm_type: str):

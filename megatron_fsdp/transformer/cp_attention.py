@@ -29,28 +29,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..utils import chunks_of_rank
+
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 # ------------------------------------------------------------------ the split
-
-def chunks_of_rank(cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """The two of the 2 x cp_size chunks a CP rank keeps."""
-    return cp_rank, 2 * cp_size - 1 - cp_rank
-
-
-def split_for_cp_rank(t: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """`t`'s part on CP rank `cp_rank`: its two chunks along `seq_dim`, concatenated."""
-    if cp_size == 1:
-        return t
-    if t.size(seq_dim) % (2 * cp_size):
-        raise ValueError(f"a sequence of {t.size(seq_dim)} tokens cannot be split in 2 x context parallel size "
-                         f"({2 * cp_size}) equal chunks")
-    shaped = t.view(*t.shape[:seq_dim], 2 * cp_size, t.size(seq_dim) // (2 * cp_size), *t.shape[seq_dim + 1:])
-    index = torch.tensor(chunks_of_rank(cp_size, cp_rank), device=t.device)
-    kept = shaped.index_select(seq_dim, index)
-    return kept.reshape(*t.shape[:seq_dim], -1, *t.shape[seq_dim + 1:])
-
 
 def positions_of_rank(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """The global positions of a CP rank's `local_len` tokens (its two chunks)."""

@@ -12,11 +12,10 @@ from ...fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ...tensor_parallel.layers import ColumnParallelLinear
 from ...tensor_parallel.mappings import scatter_to_sequence_parallel_region
-from ...transformer.cp_attention import split_for_cp_rank
 from ...transformer.module import MegatronModule
 from ...transformer.transformer_block import TransformerBlock
 from ...transformer.utils import reject_unsupported_inputs
-from ...utils import check_positive_int, transpose_first_two
+from ...utils import check_positive_int, split_for_cp_rank, transpose_first_two
 from ..common.embeddings.language_model_embedding import LanguageModelEmbedding
 from ..common.embeddings.rotary_pos_embedding import RotaryEmbedding, shield_rotary_angles
 from .gpt_layer_specs import layer_class_from_spec
