@@ -27,7 +27,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..utils import chunks_of_rank
 
@@ -92,6 +91,9 @@ class _GatherSequence(torch.autograd.Function):
 def all_gather_attention(q, k, v, group, *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
     """Each of this rank's two query chunks attends to the keys up to its own end, causal
     aligned to the bottom right: no [2c, s] mask, and a kernel that takes a causal bias."""
+    # NOTE: here, not at the top: torch.nn.attention.bias imports torch._dynamo, which start-up must not.
+    from torch.nn.attention.bias import causal_lower_right
+
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     keys, values = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
     chunk = q.size(2) // 2
