@@ -25,7 +25,8 @@
 #   copy-kernel tests, the CUDA offload tests); main_job_bf16, main_job_fp8
 #   (examples/pretrain_gpt.py on every GPU: save, --exit-interval exit, resume to
 #   the end); bench_e2e, bench_gpt_fp8 (the figures earlier issues owe); bench_checkpoint
-#   (the stall of a sync and an async checkpoint save); the kernel micro-benchmarks
+#   (the stall of a sync and an async checkpoint save); bench_context_parallel (activation
+#   memory and step time per rank at CP 1, 2, 4 ... on every GPU); the kernel micro-benchmarks
 #   bench_activations, bench_copy_in, bench_amax; copy_out_reference.
 # A step starts only when its expected seconds (EXPECT_S below) fit into what is
 # left of the budget, else it is OMITTED ("does not fit: ...") and the next one
@@ -59,10 +60,10 @@ BUDGET_S="${GPU_CHECK_BUDGET_S:-420}"
 E2E_S="${GPU_CHECK_E2E_S:-110}"
 # The steps in the order of what is owed: everything needs the build; then the CUDA tests, the
 # main job, the figures earlier issues owe (bench_e2e, bench_gpt_fp8), the async checkpoint save's
-# (bench_checkpoint: no GPU figure yet), the kernel micro-benchmarks and torch's copy-out on a
-# transposed output (recorded, not judged).
-ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_checkpoint bench_activations
-  bench_copy_in bench_amax copy_out_reference)
+# (bench_checkpoint: no GPU figure yet), context parallelism's (bench_context_parallel: none yet),
+# the kernel micro-benchmarks and torch's copy-out on a transposed output (recorded, not judged).
+ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_checkpoint bench_context_parallel
+  bench_activations bench_copy_in bench_amax copy_out_reference)
 # Seconds each step is expected to take: a step starts only when they fit into what is left.
 # What each took on the last GPU it ran on (one H100 80GB, torch 2.11, CUDA 13.0, a cold compile
 # cache, 2026-11-27; BENCHMARKS.md, "GPU run of 2026-11-27"), and the margin in its figure:
@@ -86,17 +87,24 @@ ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_
 #                       ~3.5 s a round (a synchronous save ~1.5 s, the asynchronous write ~1.5 s,
 #                       staging ~0.2 s; the untimed round and 3 timed ones) ~14 s; the check of
 #                       the last async checkpoint (two copies of the state and a load) ~3 s -> 30
+#   bench_context_parallel  never run on a GPU (on the CPU, its default 2-layer hidden-128 GPT at
+#                       2048 tokens on 4 processes: 34 s). Assumed: start-up (torch, CUDA, NCCL)
+#                       ~10 s; per arm (the 8B layer's shape, 2 layers, vocab 32768, 16k tokens, bf16:
+#                       build and wrap ~3 s, a new NCCL layout ~2 s, 5 steps of 0.2-1 s: the p2p ring's
+#                       blocks are fp32 matmuls, all_gather's masked SDPA is off the flash kernel) ~8 s:
+#                       one arm on one GPU (CP 1 alone) ~20 s, 4 arms on 2 GPUs ~40 s, 7 arms on 4
+#                       GPUs ~65 s -> 60 (more GPUs take longer: a step that starts may use what is left)
 #   bench_activations, bench_copy_in, bench_amax   15-24 s each -> 50 (with the RoPE, bias-dropout-
 #                       add and cross-entropy cases added since), 20, 20
 #   copy_out_reference  a Python start and 1 s on the GPU -> 10
 # No margin is left for the main jobs: build to bench_gpt_fp8 expect 410 of the 420 s, ~10 s left
-# for the preconditions (nvidia-smi, one torch import). bench_checkpoint and the micro-benchmarks
-# run when the steps before them are quicker than expected (on the last measured timings, 388 s to
-# the end of bench_gpt_fp8: bench_checkpoint fits, the micro-benchmarks do not), or with a larger
-# budget (all the steps expect 540 s).
+# for the preconditions (nvidia-smi, one torch import). bench_checkpoint, bench_context_parallel and
+# the micro-benchmarks run when the steps before them are quicker than expected (on the last
+# measured timings, 388 s to the end of bench_gpt_fp8: bench_checkpoint fits, the others do not),
+# or with a larger budget (all the steps expect 600 s).
 declare -A EXPECT_S=([build]=70 [tests]=85 [main_job_bf16]=50 [main_job_fp8]=50 [bench_e2e]=$E2E_S
-  [bench_gpt_fp8]=45 [bench_checkpoint]=30 [bench_activations]=50 [bench_copy_in]=20 [bench_amax]=20
-  [copy_out_reference]=10)
+  [bench_gpt_fp8]=45 [bench_checkpoint]=30 [bench_context_parallel]=60 [bench_activations]=50 [bench_copy_in]=20
+  [bench_amax]=20 [copy_out_reference]=10)
 read -r -a SELECTED <<<"${GPU_CHECK_STEPS:-${ALL_STEPS[*]}}"
 SELECTED=(${SELECTED[@]//,/ })
 for s in "${SELECTED[@]}"; do
@@ -399,6 +407,17 @@ bench_gpt_fp8() {
 bench_checkpoint() {
   bench bench_checkpoint "$PY" benchmarks/bench_checkpoint.py --hidden-size 1024 --num-layers 4 --vocab-size 16384 \
     --repeats 3
+}
+# Context parallelism on every GPU (one rank each; TP 1 x CP c x DP NGPU/c for each c dividing NGPU):
+# the Llama-8B layer's shape (2 layers) at 16k tokens in bf16 (--preset gpu); per comm type and CP
+# size, the step time and the activation memory per rank (saved for backward, and the allocator's
+# peak over forward and backward) against CP 1's. One GPU measures CP 1 alone (NCCL: one rank per GPU).
+bench_context_parallel() {
+  bench bench_context_parallel "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
+    benchmarks/bench_context_parallel.py --preset gpu
+  local sizes
+  sizes="$(grep -o '"cp_sizes": \[[0-9, ]*\]' "$OUT_DIR/bench_context_parallel.jsonl" | sed 's/.*\[\(.*\)\]/\1/' || true)"
+  echo "[gpu_check] $NGPU GPU(s), CP sizes ${sizes:-?} (one rank per GPU)" >&2
 }
 
 # Runs a step when its expected seconds fit into what is left of the budget, else records

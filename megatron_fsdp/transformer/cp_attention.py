@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..tensor_parallel.mappings import _all_gather_single, _reduce_scatter_single
 from ..utils import chunks_of_rank
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -72,7 +73,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group = group
         size = dist.get_world_size(group)
         gathered = torch.empty(size * local.size(0), *local.shape[1:], dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)  # ranks' parts along dim 0
+        _all_gather_single(gathered, local.contiguous(), group=group)  # the ranks' parts along dim 0
         gathered = gathered.unflatten(0, (size, -1))
         # [P, b, h, 2c, d]: the ranks' parts end to end along the sequence, then in its own order
         return _to_natural(gathered.permute(1, 2, 0, 3, 4).flatten(2, 3), 2, size)
@@ -84,7 +85,7 @@ class _GatherSequence(torch.autograd.Function):
         # keeping its own chunks (the ranks' parts end to end: rank r's is the r-th slice).
         parts = _to_zigzag(grad, 2, size).unflatten(2, (size, -1)).permute(2, 0, 1, 3, 4).contiguous()
         mine = torch.empty_like(parts[0])
-        dist.reduce_scatter_tensor(mine, parts.flatten(0, 1), group=ctx.group)
+        _reduce_scatter_single(mine, parts.flatten(0, 1), group=ctx.group)
         return mine, None
 
 
