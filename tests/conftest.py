@@ -39,7 +39,7 @@ class _Pools:
 
 # Markers of the steps that run apart from the default suite (scripts/run_tests.sh --step ...; CI
 # runs each): their tests are collected only when -m names the marker, or a test is named by its id.
-SEPARATE_STEPS = ("packaging", "soak")
+SEPARATE_STEPS = ("packaging", "soak", "restart")
 
 
 def pytest_configure(config):
@@ -53,6 +53,8 @@ def pytest_configure(config):
                                        "build check's child interpreters (a step of its own: -m packaging)")
     config.addinivalue_line("markers", "soak: the statistical shutdown soak at full length (a step of its "
                                        "own: -m soak)")
+    config.addinivalue_line("markers", "restart: torchrun --max-restarts jobs that crash and restart (a step of "
+                                       "its own: -m restart)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -219,6 +219,7 @@ def reference(tmp_path_factory, pools):
 
 
 @pytest.mark.e2e
+@pytest.mark.restart  # a step of its own in CI (scripts/run_tests.sh --step restart)
 @pytest.mark.parametrize("save", ["sync", "async"])
 def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint_with_the_uninterrupted_losses(tmp_path, reference,
                                                                                                   save):
@@ -244,6 +245,7 @@ def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint_with_the_unin
 
 
 @pytest.mark.e2e
+@pytest.mark.restart  # a step of its own in CI (scripts/run_tests.sh --step restart)
 def test_a_lost_node_started_again_rejoins_and_the_job_finishes_with_the_uninterrupted_losses(tmp_path):
     """Two torchrun "nodes" (c10d rendezvous, --max-restarts 1, one process each; docs/faults.md's
     two-node form). As iteration 5 starts (checkpoints at 2 and 4) node 1 is lost: its torchrun and
@@ -316,6 +318,7 @@ def test_a_lost_node_started_again_rejoins_and_the_job_finishes_with_the_uninter
 
 
 @pytest.mark.e2e
+@pytest.mark.restart  # a step of its own in CI (scripts/run_tests.sh --step restart)
 def test_a_restarted_attempt_whose_rank_never_comes_fails_in_one_line_within_its_timeout(tmp_path):
     """Attempt 0: rank 1 dies before start-up. Attempt 1: rank 1 is stuck before start-up (it
     sleeps). Rank 0 waits for it --distributed-timeout-minutes (here 6 s), not longer, and the
