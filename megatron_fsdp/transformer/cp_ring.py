@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..utils import chunks_of_rank
+
 
 # Point-to-point tags of the two streams that may be in flight at once (gloo matches on them;
 # NCCL ignores tags and matches by order, which is the same on every rank).
@@ -93,11 +95,6 @@ def _check_inputs(q, k, v, dropout_p) -> None:
                          f"local length (two equal chunks: even) and d, with hq a multiple of hkv")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"ring_attention: dropout_p must be in [0, 1), got {dropout_p}")
-
-
-def chunk_ids(rank: int, size: int) -> tuple[int, int]:
-    """The global chunk indices a CP rank holds, in its local order."""
-    return rank, 2 * size - 1 - rank
 
 
 def block_kind(q_chunk: int, k_chunk: int) -> Optional[str]:
@@ -221,8 +218,8 @@ def _backward_ring(ring: _Ring, q, k, v, out, dout, lse, scale, dropout):
 
 def _blocks(ring: _Ring, step: int):
     """((local slot, query chunk), (K/V slot, key chunk), kind) of every block computed at `step`."""
-    for slot, i in enumerate(chunk_ids(ring.rank, ring.size)):
-        for k_slot, j in enumerate(chunk_ids(ring.source(step), ring.size)):
+    for slot, i in enumerate(chunks_of_rank(ring.size, ring.rank)):
+        for k_slot, j in enumerate(chunks_of_rank(ring.size, ring.source(step))):
             kind = block_kind(i, j)
             if kind is not None:
                 yield (slot, i), (k_slot, j), kind
