@@ -14,8 +14,9 @@ change with c). Each DP rank trains on one micro-batch of --seq-length tokens; e
 its two load-balanced chunks of it (megatron_fsdp.utils.get_batch_on_this_cp_rank: --seq-length /
 c tokens per rank). A step is zero grads, forward (the per-token loss, its mean), backward,
 finish_grad_sync, optimizer.step. At CP 1 the attention is plain SDPA whatever the comm type, so
-CP 1 is measured once and is the baseline of every --cp-comm-type (p2p, all_gather, a2a; a2a is
-skipped where the heads or query groups do not divide by c).
+CP 1 is measured once and is the baseline of every --cp-comm-type (p2p, all_gather, a2a, a2a+p2p;
+a2a is skipped where the heads or query groups do not divide by c; a2a+p2p runs at c >= 4 with
+--hierarchical-context-parallel-sizes 2 c/2, the a2a within neighbouring pairs, the ring across).
 
 Per arm, after --warmup steps, --steps timed steps; reported (rank 0: a table, then one JSON line):
   step ms          the median over the timed steps of the slowest rank's step (a barrier, and on
@@ -74,7 +75,7 @@ from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_fsdp.training.initialize import distributed_job, gpu_shortage
 from megatron_fsdp.transformer import TransformerConfig
-from megatron_fsdp.transformer.cp_attention import CP_COMM_TYPES
+from megatron_fsdp.transformer.enums import CP_COMM_TYPES
 from megatron_fsdp.utils import get_batch_on_this_cp_rank
 
 PROG = "bench_context_parallel.py"
@@ -143,14 +144,20 @@ def _config(args, cp: int, comm_type: str, cuda: bool) -> TransformerConfig:
         num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size, gated_linear_unit=True,
         activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, bf16=args.bf16, context_parallel_size=cp, cp_comm_type=comm_type,
+        hierarchical_context_parallel_sizes=_hierarchical_sizes(cp, comm_type),
         # The GPU's fused activation and loss (bench_e2e's api arm); the CPU runs the eager paths.
         bias_activation_fusion=cuda, cross_entropy_loss_fusion=cuda)
+
+
+def _hierarchical_sizes(cp: int, comm_type: str):
+    return [2, cp // 2] if comm_type == "a2a+p2p" else None
 
 
 def run_arm(args, cp: int, comm_type: str) -> dict:
     """One CP size and comm type: build, warm up (the saved-tensor count in the first forward),
     time; returns the slowest/largest rank's figures."""
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp,
+                                             hierarchical_context_parallel_sizes=_hierarchical_sizes(cp, comm_type))
     try:
         device = parallel_state.get_device()
         cuda = device.type == "cuda"
@@ -348,9 +355,13 @@ def main():
         results, skipped = {(1, "-"): run_arm(args, 1, "p2p")}, []
         for cp in cps:
             for comm in args.cp_comm_type:
-                if comm == "a2a" and (args.num_attention_heads % cp or args.num_query_groups % cp):
-                    skipped.append(f"a2a at CP {cp}: {args.num_attention_heads} heads and {args.num_query_groups} "
-                                   f"query groups do not both divide by {cp}")
+                a2a = {"a2a": cp, "a2a+p2p": 2}.get(comm)
+                if comm == "a2a+p2p" and cp < 4:
+                    skipped.append(f"a2a+p2p at CP {cp}: it needs CP >= 4 (2 a2a x CP/2 p2p)")
+                    continue
+                if a2a and (args.num_attention_heads % a2a or args.num_query_groups % a2a):
+                    skipped.append(f"{comm} at CP {cp}: {args.num_attention_heads} heads and {args.num_query_groups} "
+                                   f"query groups do not both divide by {a2a}")
                     continue
                 results[(cp, comm)] = run_arm(args, cp, comm)
         if dist.get_rank() == 0:

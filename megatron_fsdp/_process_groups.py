@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _torch_compat
-from .utils import check_positive_int, reject_unsupported
+from .utils import check_hierarchical_sizes, check_positive_int, reject_unsupported
 
 SUPPORTED_ORDER_DIMS = ("tp", "cp", "ep", "dp", "pp")
 
@@ -43,6 +43,7 @@ GLOO_DIMS = ("dp", "dp_cp", "dp_shard_cp")
 _MESH_CACHE: dict[tuple, tuple[DeviceMesh, dict[str, DeviceMesh]]] = {}
 _MESH_CACHE_OWNER: Optional[dist.ProcessGroup] = None  # the default group the cache belongs to
 _GLOO_CACHE: dict[tuple, dict[str, dist.ProcessGroup]] = {}  # gloo groups by layout, same owner
+_HIERARCHICAL_CACHE: dict[tuple, list[dist.ProcessGroup]] = {}  # hierarchical CP groups by layout, same owner
 
 
 def backend_device_type(backend: str) -> str:
@@ -117,8 +118,6 @@ def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_par
         "expert_tensor_parallel_size": (
             1 if expert_tensor_parallel_size in (None, tensor_model_parallel_size) else expert_tensor_parallel_size,
             1, no_experts + " (None or tensor_model_parallel_size also mean the dense layers' TP)"),
-        "hierarchical_context_parallel_sizes": (hierarchical_context_parallel_sizes, None,
-                                                "there is no hierarchical context parallelism"),
         "encoder_tensor_model_parallel_size": (encoder_tensor_model_parallel_size, 0,
                                                "there is no encoder parallelism"),
         "encoder_pipeline_model_parallel_size": (encoder_pipeline_model_parallel_size, 0,
@@ -133,6 +132,7 @@ def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_par
                                          "with one pipeline stage the position-embedding group is this rank alone"),
     })
 
+    check_hierarchical_sizes(hierarchical_context_parallel_sizes, context_parallel_size)
     model_parallel = tensor_model_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
         raise RuntimeError(
@@ -147,6 +147,29 @@ def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_par
             f"num_distributed_optimizer_instances ({num_distributed_optimizer_instances})"
         )
     return data_parallel_size
+
+
+def build_hierarchical_cp_groups(mesh: DeviceMesh, names: tuple[str, ...],
+                                 sizes: tuple[int, ...]) -> list[dist.ProcessGroup]:
+    """This rank's group at each level of hierarchical context parallelism (Megatron's layout).
+
+    Within a CP group of ranks g0..g(P-1), level k's groups hold `sizes[k]` ranks a stride of
+    prod(sizes[:k]) apart: with sizes (2, 2), level 0 is [g0, g1], [g2, g3] (the a2a groups of
+    a2a+p2p: neighbours) and level 1 is [g0, g2], [g1, g3] (the p2p rings). Every rank creates
+    every group, in the same order."""
+    key = (tuple(mesh.mesh.shape), names, tuple(sizes))
+    if key in _HIERARCHICAL_CACHE:
+        return _HIERARCHICAL_CACHE[key]
+    cp_groups = torch.tensor(group_ranks(mesh.mesh, names, ("cp",)))  # [groups, P]
+    mine = []
+    for level, size in enumerate(sizes):
+        inner = math.prod(sizes[:level])
+        # NOTE: "(l s u) -> (l u) s": a level's ranks are `inner` apart within their CP group.
+        rows = cp_groups.reshape(len(cp_groups), -1, size, inner).transpose(2, 3).reshape(-1, size).tolist()
+        group, _ = dist.new_subgroups_by_enumeration(rows)
+        mine.append(group)
+    _HIERARCHICAL_CACHE[key] = mine
+    return mine
 
 
 def build_meshes(device_type: str, shape: tuple[int, ...],
@@ -182,6 +205,7 @@ def release_meshes() -> None:
             _torch_compat.drop_mesh_process_groups(m)  # DTensor's own caches keep meshes
     _MESH_CACHE.clear()
     _GLOO_CACHE.clear()
+    _HIERARCHICAL_CACHE.clear()
     # And DTensor's specs and plans that may still name them, or the groups of meshes a user made
     # (the fully_shard API takes any DeviceMesh): equal meshes of the next group would find them.
     _torch_compat.clear_dtensor_sharding_caches()

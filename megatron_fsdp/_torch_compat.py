@@ -403,6 +403,29 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
 
 
+def flash_attention_with_lse(q, k, v, *, causal: bool, scale: float):
+    """SDPA's flash kernel (no dropout), returning what its backward needs: (output, lse [b, h, s]
+    fp32, saved). CPU: `aten._scaled_dot_product_flash_attention_for_cpu`; CUDA (fp16/bf16):
+    `aten._scaled_dot_product_flash_attention`, whose sequence offsets and RNG state are `saved`.
+    Schemas unchanged 2.11-2.14."""
+    if q.device.type == "cuda":
+        out, lse, *rest = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, tuple(rest[:6])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def flash_attention_with_lse_backward(dout, q, k, v, out, lse, saved, *, causal: bool, scale: float):
+    """The flash kernel's backward: dQ, dK, dV given the output and lse of the whole row (for one
+    block of a longer row: the merged ones) and flash_attention_with_lse's `saved`."""
+    if q.device.type == "cuda":
+        cum_q, cum_k, max_q, max_k, seed, offset = saved
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
 def foreach_norm(tensors, ord, dtype: Optional[torch.dtype] = None) -> list:
     """`torch._foreach_norm`: each tensor's norm, accumulated and returned in `dtype` (None: the
     tensor's own). An empty tensor's norm is 0, which the op refuses to give for the infinity norm

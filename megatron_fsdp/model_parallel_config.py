@@ -7,7 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .utils import check_positive_int, reject_unsupported
+from .utils import check_hierarchical_sizes, check_positive_int, reject_unsupported
 
 
 def reject_unsupported_fields(config, unsupported: dict[str, object]) -> None:
@@ -24,6 +24,9 @@ class ModelParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     context_parallel_size: int = 1
+    # The group sizes of each level of hierarchical context parallelism: for cp_comm_type
+    # "a2a+p2p", [a2a size, p2p size], whose product is context_parallel_size.
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
 
@@ -59,6 +62,7 @@ class ModelParallelConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "context_parallel_size", "expert_model_parallel_size"):
             check_positive_int(name, getattr(self, name))
+        check_hierarchical_sizes(self.hierarchical_context_parallel_sizes, self.context_parallel_size)
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 cannot both be True")
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._process_groups import (
     backend_device_type as _backend_device_type,
     build_gloo_groups as _build_gloo_groups,
+    build_hierarchical_cp_groups as _build_hierarchical_cp_groups,
     build_meshes as _build_meshes,
     check_initialize_arguments as _check_initialize_arguments,
     parse_order as _parse_order,
@@ -54,6 +55,9 @@ class _ParallelState:
     # gloo groups over the same ranks as "dp", "dp_cp" and "dp_shard_cp"
     # (Megatron's *_gloo groups, for CPU-side work); None unless asked for.
     gloo_groups: Optional[dict[str, dist.ProcessGroup]] = None
+    # This rank's group at each level of hierarchical_context_parallel_sizes (a2a+p2p: the a2a
+    # group, then the p2p ring); None when none were asked for.
+    hierarchical_context_parallel_groups: Optional[list[dist.ProcessGroup]] = None
 
 
 _STATE: Optional[_ParallelState] = None
@@ -155,6 +159,11 @@ def initialize_model_parallel(
     groups = {id(m.get_group()): m.get_group() for m in dim_meshes.values()}
     gloo_groups = _build_gloo_groups(mesh, dim_meshes, tuple(mesh_names)) if create_gloo_process_groups else None
     groups.update({id(g): g for g in (gloo_groups or {}).values()})
+    hierarchical = None
+    if hierarchical_context_parallel_sizes is not None:
+        hierarchical = _build_hierarchical_cp_groups(mesh, tuple(mesh_names),
+                                                     tuple(hierarchical_context_parallel_sizes))
+        groups.update({id(g): g for g in hierarchical})
     for group in groups.values():
         # Megatron creates its groups with this timeout; ours may come from the
         # layout cache, so it is set (again) on every initialization.
@@ -169,6 +178,7 @@ def initialize_model_parallel(
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
         order=order,
         gloo_groups=gloo_groups,
+        hierarchical_context_parallel_groups=hierarchical,
     )
 
 
@@ -296,6 +306,18 @@ def get_context_parallel_group(check_initialized: bool = True) -> dist.ProcessGr
 
 
 _serve_context_parallel_group(get_context_parallel_group)  # utils.get_batch_on_this_cp_rank's default
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> Optional[list[dist.ProcessGroup]]:
+    """This rank's group at each level of `hierarchical_context_parallel_sizes` (a2a+p2p: its a2a
+    group, then its p2p ring), Megatron's getter; None when no sizes were given."""
+    if _STATE is None and not check_initialized:
+        return None
+    groups = _state().hierarchical_context_parallel_groups
+    if groups is None and check_initialized:
+        raise RuntimeError("no hierarchical context-parallel groups: initialize_model_parallel was called "
+                           "without hierarchical_context_parallel_sizes")
+    return groups
 
 
 def get_context_parallel_world_size() -> int:

@@ -9,6 +9,7 @@ the data-parallel wrapper, and the unsupported-option error.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from typing import Any, Mapping, Optional
 
@@ -171,6 +172,18 @@ def weights_changed_hooks(models) -> list:
 
 
 # ---------------------------------------------------------------- checks
+
+def check_hierarchical_sizes(sizes, context_parallel_size: int) -> None:
+    """hierarchical_context_parallel_sizes: None, or positive ints whose product is the CP size."""
+    if sizes is None:
+        return
+    if not isinstance(sizes, (list, tuple)) or not sizes or \
+            any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"hierarchical_context_parallel_sizes must be a list of positive ints, got {sizes!r}")
+    if math.prod(sizes) != context_parallel_size:
+        raise ValueError(f"hierarchical_context_parallel_sizes {list(sizes)}: their product ({math.prod(sizes)}) "
+                         f"must be context_parallel_size ({context_parallel_size})")
+
 
 def check_positive_int(name: str, value, where: str = "") -> int:
     """`value` if it is an int >= 1 (a bool is not); else ValueError naming it."""

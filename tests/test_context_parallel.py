@@ -30,10 +30,12 @@ VARIANTS = {
 
 def _case_cp_parity(tp: int, sequence_parallel: bool, comm_type: str, variant: str) -> None:
     cp = dist.get_world_size() // tp
-    setup_parallel(tp, context_parallel_size=cp)
+    # a2a+p2p: at CP 4, 2 a2a x 2 p2p; at CP 2, the a2a alone (the ring of one is p2p's own test)
+    sizes = ([2, cp // 2] if comm_type == "a2a+p2p" else None)
+    setup_parallel(tp, context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes)
     spec = VARIANTS[variant]
     cfg = make_config(sequence_parallel=sequence_parallel, context_parallel_size=cp, cp_comm_type=comm_type,
-                      **spec["config"])
+                      hierarchical_context_parallel_sizes=sizes, **spec["config"])
     model_kwargs = dict(vocab_size=VOCAB, max_sequence_length=16, **spec["model"])
     model = GPTModel(cfg, **model_kwargs)
     ids, labels, positions, weights = batch(VOCAB)
@@ -56,7 +58,7 @@ def _case_cp_parity(tp: int, sequence_parallel: bool, comm_type: str, variant: s
     assert_close_dicts(grads, {n: p.grad for n, p in ref_params.items()}, "gradient")
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a", "a2a+p2p"])
 @pytest.mark.parametrize("world_size,tp,sequence_parallel,variant", [
     (2, 1, False, "learned_positions"),     # CP 2
     (4, 1, False, "gqa_swiglu_rope"),       # CP 4
@@ -82,17 +84,21 @@ def test_an_explicit_attention_mask_is_refused_in_one_line(pools):
 
 
 @pytest.mark.slow  # pretrain() jobs in the worker pool
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
-def test_pretrain_at_dp2_x_cp2_repeats_dp2_step_for_step(pools, comm_type):
-    """examples/pretrain_gpt.py with --context-parallel-size 2 (FSDP over the flattened DP x CP ranks,
-    the loss reported over DP x CP): the same losses, iteration by iteration, as DP 2 alone."""
+@pytest.mark.parametrize("comm_type,cp_size,extra", [
+    ("p2p", 2, []), ("all_gather", 2, []), ("a2a", 2, []),
+    ("a2a+p2p", 4, ["--hierarchical-context-parallel-sizes", "2", "2"]),  # DP 1 x CP 4: 2 a2a x 2 p2p
+])
+def test_pretrain_with_context_parallelism_repeats_dp2_step_for_step(pools, comm_type, cp_size, extra):
+    """examples/pretrain_gpt.py with --context-parallel-size (FSDP over the flattened DP x CP ranks,
+    the loss reported over DP x CP), 4 ranks: the same losses, iteration by iteration, as DP 2 alone."""
     from test_training import LINE, _pretrain
 
     run = ["--train-iters", "4", "--eval-iters", "0"]
     plain = _pretrain(pools, 2, *run)
-    cp = _pretrain(pools, 4, *run, "--context-parallel-size", "2", "--cp-comm-type", comm_type)
-    # (DP 4 would give the same losses too: the layout line says the job ran DP 2 x CP 2)
-    assert f"tensor-parallel 1 x context-parallel 2 ({comm_type}) x data-parallel 2 on" in cp.stdout, cp.stdout[-2000:]
+    cp = _pretrain(pools, 4, *run, "--context-parallel-size", str(cp_size), "--cp-comm-type", comm_type, *extra)
+    # (DP 4 would give the same losses too: the layout line says how the job ran)
+    layout = f"tensor-parallel 1 x context-parallel {cp_size} ({comm_type}) x data-parallel {4 // cp_size} on"
+    assert layout in cp.stdout, cp.stdout[-2000:]
     losses = [{int(m[1]): float(m[6]) for m in map(LINE.search, job.stdout.splitlines()) if m} for job in (plain, cp)]
     assert sorted(losses[0]) == [1, 2, 3, 4] and losses[1].keys() == losses[0].keys(), losses
     for iteration, loss in losses[0].items():
@@ -118,9 +124,16 @@ def test_pretrain_at_dp2_x_cp2_repeats_dp2_step_for_step(pools, comm_type):
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2", "--hidden-size", "64"],
      "--cp-comm-type 'a2a' needs the attention heads (2) and query groups (2) of a tensor-parallel rank divisible by "
      "--context-parallel-size (4)"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], "--cp-comm-type 'ring' is not one of p2p, all_gather, a2a"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "2"],
-     "--cp-comm-type 'a2a+p2p' (hierarchical context parallelism) is not supported yet"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "ring"], "--cp-comm-type 'ring' is not one of p2p, all_gather, a2a, a2a+p2p"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"],
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A R: the a2a and p2p group sizes, positive, "
+     "with A x R = --context-parallel-size (4); got None"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "3"],
+     "with A x R = --context-parallel-size (4); got [2, 3]"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1",
+      "--num-attention-heads", "2", "--hidden-size", "64"],
+     "--cp-comm-type 'a2a+p2p' needs the attention heads (2) and query groups (2) of a tensor-parallel rank divisible "
+     "by the a2a size (4)"),
     (["--hierarchical-context-parallel-sizes", "1", "2"], "--hierarchical-context-parallel-sizes goes with --cp-comm-type"),
     (["--context-parallel-size", "2", "--reset-attention-mask"],
      "--reset-attention-mask is not supported with --context-parallel-size > 1"),

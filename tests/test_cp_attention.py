@@ -48,6 +48,36 @@ def test_context_parallel_attention_is_the_whole_sequences(pools, comm_type, wor
     assert pools(world_size).run(_case_matches_the_whole_sequence, comm_type, hq, hkv) == [True] * world_size
 
 
+def _case_hierarchical_matches_the_whole_sequence(sizes: tuple, hq: int, hkv: int):
+    size = dist.get_world_size()
+    setup_parallel(1, context_parallel_size=size, hierarchical_context_parallel_sizes=list(sizes))
+    groups = parallel_state.get_hierarchical_context_parallel_groups()
+    a2a, p2p = (dist.get_process_group_ranks(g) for g in groups)
+    # Megatron's layout (create_hierarchical_groups): a2a groups of neighbours, p2p rings a2a-size apart.
+    rank = dist.get_rank()
+    assert a2a == list(range(rank - rank % sizes[0], rank - rank % sizes[0] + sizes[0])), a2a
+    assert p2p == list(range(rank % sizes[0], size, sizes[0])), p2p
+    rank = parallel_state.get_context_parallel_rank()
+    seq = 2 * size * CHUNK
+    expected = _reference(hq, hkv, seq)
+    split = [split_for_cp_rank(t, 2, size, rank) for t in expected]
+    q, k, v = (split_for_cp_rank(_whole(s, h, seq), 2, size, rank).requires_grad_()
+               for s, h in ((1, hq), (2, hkv), (3, hkv)))
+    out = cp_attention.context_parallel_attention(q, k, v, groups, "a2a+p2p", scale=0.3)
+    (out * split_for_cp_rank(_whole(4, hq, seq), 2, size, rank)).sum().backward()
+    for name, got, want in zip(("output", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad), split):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"a2a+p2p {sizes} {name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("sizes,hq,hkv", [((2, 2), 4, 2), pytest.param((4, 1), 4, 4, marks=pytest.mark.slow),
+                                          pytest.param((1, 4), 2, 1, marks=pytest.mark.slow)])
+def test_hierarchical_a2a_p2p_attention_is_the_whole_sequences(pools, sizes, hq, hkv):
+    """a2a+p2p at CP 4: Ulysses within each a2a group, the ring across; (4, 1) is plain a2a and
+    (1, 4) the plain ring, both reached through the hierarchy."""
+    assert pools(4).run(_case_hierarchical_matches_the_whole_sequence, sizes, hq, hkv) == [True] * 4
+
+
 def _case_a2a_refuses_heads_that_do_not_divide():
     setup_parallel(1, context_parallel_size=dist.get_world_size())
     q = torch.zeros(1, 2, 4, D)
@@ -77,8 +107,10 @@ def test_the_split_is_megatron_cores(cp_size):
 
 def _case_dropout_masks_differ_between_cp_ranks(comm_type: str):
     size = dist.get_world_size()
-    setup_parallel(1, context_parallel_size=size)
-    group = parallel_state.get_context_parallel_group()
+    hierarchical = comm_type == "a2a+p2p"
+    setup_parallel(1, context_parallel_size=size, hierarchical_context_parallel_sizes=[2, 1] if hierarchical else None)
+    group = (parallel_state.get_hierarchical_context_parallel_groups() if hierarchical
+             else parallel_state.get_context_parallel_group())
     torch.manual_seed(7)  # every CP rank the same generator state, as in training
     # Every head the same: a head's output differs from another's only by its dropout mask.
     one = torch.randn(B, 1, 4 * size, D, generator=torch.Generator().manual_seed(1))
@@ -87,7 +119,7 @@ def _case_dropout_masks_differ_between_cp_ranks(comm_type: str):
     return [not torch.equal(out[:, 0], out[:, h]) for h in range(1, 4)]
 
 
-@pytest.mark.parametrize("comm_type", ["a2a"])
+@pytest.mark.parametrize("comm_type", ["a2a", "a2a+p2p"])
 def test_attention_dropout_masks_differ_between_cp_ranks(pools, comm_type):
     """a2a: CP rank r draws the masks of heads [rH/P, (r+1)H/P) for the whole sequence; drawn from
     the same generator on every rank, head 0's and head 2's would be identical (at P = 2)."""

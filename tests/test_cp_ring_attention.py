@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from helpers import setup_parallel
 from megatron_fsdp import parallel_state
-from megatron_fsdp.transformer import cp_ring
+from megatron_fsdp.transformer import cp_blocks, cp_ring
 from megatron_fsdp.transformer.cp_ring import ring_attention
 
 B, D, C = 2, 8, 3  # batch, head dim, tokens per chunk
@@ -16,12 +16,12 @@ OUT_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 GRAD_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
-def _full_inputs(cp, hq, hkv, seed=0):
+def _full_inputs(cp, hq, hkv, seed=0, dtype=torch.float32):
     """Full-sequence q, k, v [b, heads, s, d] and an upstream gradient, the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     s = 2 * cp * C
-    q, dout = (torch.randn(B, hq, s, D, generator=g) for _ in range(2))
-    k, v = (torch.randn(B, hkv, s, D, generator=g) for _ in range(2))
+    q, dout = (torch.randn(B, hq, s, D, generator=g, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, hkv, s, D, generator=g, dtype=dtype) for _ in range(2))
     return q, k, v, dout
 
 
@@ -59,10 +59,12 @@ def _assert_matches(actual, expected, pos):
         torch.testing.assert_close(a, e[:, :, pos], **tolerance, msg=lambda m: f"{name}:\n{m}")
 
 
-def _case_matches_full_attention(cp, hq, hkv):
+def _case_matches_full_attention(cp, hq, hkv, dtype=torch.float32):
     setup_parallel(1, context_parallel_size=cp)
     rank = parallel_state.get_context_parallel_rank()
-    q, k, v, dout = _full_inputs(cp, hq, hkv)
+    q, k, v, dout = _full_inputs(cp, hq, hkv, dtype=dtype)
+    # fp32 runs the flash kernel per block, fp64 the plain-torch blocks
+    assert isinstance(cp_blocks.blocks_for(q, SCALE, 0.0), cp_blocks.KernelBlocks) == (dtype == torch.float32)
     pos = _positions(cp, rank)
     with cp_ring.record_blocks() as blocks:
         actual = _ring(q, k, v, dout, pos)
@@ -88,16 +90,56 @@ def _assert_blocks(results, cp):
             assert set(per_rank.values()) == {2 * cp + 1}, (phase, per_rank)
 
 
-@pytest.mark.parametrize("world,cp,hq,hkv", [
-    (2, 2, 4, 2),  # GQA
-    (2, 2, 4, 4),
-    (4, 4, 4, 2),
-    (4, 4, 2, 2),
-    (4, 2, 4, 1),  # two CP groups: ring neighbours are global ranks 2 and 3 in one of them
+@pytest.mark.parametrize("world,cp,hq,hkv,dtype", [
+    (2, 2, 4, 2, torch.float32),  # GQA
+    (2, 2, 4, 2, torch.float64),  # the plain-torch blocks
+    (2, 2, 4, 4, torch.float32),
+    (4, 4, 4, 2, torch.float32),
+    (4, 4, 2, 2, torch.float64),
+    (4, 2, 4, 1, torch.float32),  # two CP groups: ring neighbours are global ranks 2 and 3 in one of them
 ])
-def test_ring_matches_full_attention(pools, world, cp, hq, hkv):
-    results = pools(world).run(_case_matches_full_attention, cp, hq, hkv)
+def test_ring_matches_full_attention(pools, world, cp, hq, hkv, dtype):
+    results = pools(world).run(_case_matches_full_attention, cp, hq, hkv, dtype)
     _assert_blocks(results, cp)
+
+
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel needs a GPU (gpu_check.sh)")
+
+
+@pytest.mark.parametrize("kind", ["full", "diagonal"])
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=ON_CUDA)])
+def test_a_kernel_block_is_the_math_block(kind, device, dtype):
+    """KernelBlocks (SDPA's flash kernel, GQA heads repeated) against MathBlocks: a block's output
+    and lse, and its gradients given the row's merged output and lse (here: the block's own)."""
+    g = torch.Generator().manual_seed(3)
+    head_dim = D if device == "cpu" else 64
+    q, dout = (torch.randn(2, 4, 40, head_dim, generator=g).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(2, 2, 40, head_dim, generator=g).to(device, dtype) for _ in range(2))
+    if device == "cuda":
+        assert isinstance(cp_blocks.blocks_for(q, SCALE, 0.0), cp_blocks.KernelBlocks)  # its check passed
+    kernel, math = cp_blocks.KernelBlocks(SCALE), cp_blocks.MathBlocks(SCALE, 0.0, None)
+    out, lse = kernel.forward(q, k, v, 3, 1, kind)
+    ref_out, ref_lse = math.forward(q, k, v, 3, 1, kind)
+    # bf16: the kernel's output and gradients are rounded to bf16 (the math's are fp32)
+    out_tolerance = OUT_TOLERANCE if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    grad_tolerance = GRAD_TOLERANCE if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, ref_out, **out_tolerance)
+    torch.testing.assert_close(lse, ref_lse, **out_tolerance)
+    merged = out.flatten(1, 2).to(dtype)
+    for got, want in zip(kernel.backward(q, k, v, merged, dout, lse, 3, 1, kind),
+                         math.backward(q, k, v, merged, dout, lse, 3, 1, kind)):
+        torch.testing.assert_close(got, want, **grad_tolerance)
+
+
+def test_a_kernel_that_disagrees_with_the_math_is_not_used(monkeypatch):
+    """The once-per-device check (run on CUDA before the kernel is trusted): it passes for a right
+    kernel, and a wrong one (here the CPU kernel with a broken lse) leaves the math, said once."""
+    assert cp_blocks._kernel_agrees_with_math(torch.device("cpu"), torch.float32, D)
+    forward = cp_blocks.KernelBlocks.forward
+    monkeypatch.setattr(cp_blocks.KernelBlocks, "forward",
+                        lambda self, *a: (lambda out, lse: (out, lse + 1.0))(*forward(self, *a)))
+    with pytest.warns(UserWarning, match="failed its check on cpu .* plain torch"):
+        assert not cp_blocks._kernel_agrees_with_math(torch.device("cpu"), torch.float32, D)
 
 
 def _case_single_rank_group():
@@ -125,7 +167,7 @@ def _dropped_attention(seed, cp, p):
         keep = torch.zeros(B, q.size(1), s, s)
         for i in range(2 * cp):
             for j in range(i + 1):
-                keep[:, :, i * C:(i + 1) * C, j * C:(j + 1) * C] = cp_ring.dropout_keep_mask(
+                keep[:, :, i * C:(i + 1) * C, j * C:(j + 1) * C] = cp_blocks.dropout_keep_mask(
                     seed, i, j, (B, q.size(1), C, C), p, q.device)
         return (scores.softmax(-1) * keep / (1 - p)) @ v
     return attend
@@ -137,7 +179,7 @@ def _case_dropout(cp, p):
     q, k, v, dout = _full_inputs(cp, 4, 2, seed=2)
     pos = _positions(cp, rank)
     torch.manual_seed(77)
-    seed = cp_ring.dropout_seed(torch.device("cpu"))
+    seed = cp_blocks.dropout_seed(torch.device("cpu"))
     torch.manual_seed(77)  # every CP rank draws the same seed, as Megatron's CP ranks share their RNG state
     first = _ring(q, k, v, dout, pos, dropout_p=p)
     _assert_matches(first, _reference(q, k, v, dout, _dropped_attention(seed, cp, p)), pos)

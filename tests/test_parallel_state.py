@@ -518,6 +518,11 @@ INIT_ERRORS = {
                         ["expert_model_parallel_size=2"]),
     "expert_tensor_parallel": (dict(expert_tensor_parallel_size=2), "NotImplementedError",
                                ["expert_tensor_parallel_size=2"]),
+    "hierarchical_cp_product": (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 1]),
+                                "ValueError", ["hierarchical_context_parallel_sizes [2, 1]", "product (2)",
+                                               "context_parallel_size (4)"]),
+    "hierarchical_cp_not_ints": (dict(context_parallel_size=2, hierarchical_context_parallel_sizes=[2, 0]),
+                                 "ValueError", ["list of positive ints, got [2, 0]"]),
     "bad_order_name": (dict(order="tp-xx-dp"), "ValueError", ["'tp-xx-dp'"]),
     "duplicated_order_name": (dict(order="tp-dp-tp"), "ValueError", ["'tp-dp-tp'"]),
     "order_missing_tp": (dict(tensor_model_parallel_size=2, order="cp-dp-pp"), "ValueError",
@@ -631,7 +636,7 @@ def _case_uninitialized_megatron_answers() -> None:
                    ps.get_context_parallel_global_ranks, ps.get_pipeline_model_parallel_group,
                    ps.get_embedding_group, ps.get_position_embedding_group, ps.get_tensor_and_data_parallel_group,
                    ps.get_tensor_and_context_parallel_group, ps.get_intra_distributed_optimizer_instance_group,
-                   ps.get_inter_distributed_optimizer_instance_group):
+                   ps.get_inter_distributed_optimizer_instance_group, ps.get_hierarchical_context_parallel_groups):
         assert getter(check_initialized=False) is None, getter.__name__
     assert not ps.is_rank_in_embedding_group() and not ps.is_rank_in_position_embedding_group()
 

@@ -187,7 +187,8 @@ def _distributed(p) -> None:
     a("--context-parallel-size", type=int, default=1,
       help="context-parallel ranks: each sequence split over them (world size = TP x CP x DP)")
     a("--cp-comm-type", nargs="+", default=["p2p"],
-      help="context-parallel attention: p2p (a ring), all_gather or a2a (Ulysses); one, or one per layer")
+      help="context-parallel attention: p2p (a ring), all_gather, a2a (Ulysses) or a2a+p2p (hierarchical); "
+           "one, or one per layer")
     a("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
       help="the a2a and p2p group sizes of --cp-comm-type a2a+p2p (their product is the CP size)")
     a("--use-torch-fsdp2", action="store_true", help="shard the model with TorchFullyShardedDataParallel")

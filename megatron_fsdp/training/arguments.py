@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import warnings
@@ -234,8 +235,12 @@ def _validate_context_parallel(parser, args, tp: int, cp: int) -> None:
     if len(kinds) not in (1, args.num_layers):
         parser.error(f"--cp-comm-type takes one value or one per layer ({args.num_layers}), got {len(kinds)}")
     args.cp_comm_type = kinds[0] if len(kinds) == 1 else list(kinds)
-    if args.hierarchical_context_parallel_sizes is not None and "a2a+p2p" not in kinds:
+    sizes = args.hierarchical_context_parallel_sizes
+    if sizes is not None and "a2a+p2p" not in kinds:
         parser.error("--hierarchical-context-parallel-sizes goes with --cp-comm-type a2a+p2p")
+    if "a2a+p2p" in kinds and (sizes is None or len(sizes) != 2 or math.prod(sizes) != cp or min(sizes) < 1):
+        parser.error(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A R: the a2a and p2p "
+                     f"group sizes, positive, with A x R = --context-parallel-size ({cp}); got {sizes}")
     if cp == 1:
         return
     split = 2 * cp * (tp if args.sequence_parallel else 1)

@@ -41,6 +41,7 @@ def core_transformer_config_from_args(args, config_class=None):
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,

@@ -217,6 +217,7 @@ def initialize_megatron(args) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         # The wrapper's (training/configs.py): the flag's value, or every rank one when replicated.
         num_distributed_optimizer_instances=args.configs.ddp.num_distributed_optimizer_instances)

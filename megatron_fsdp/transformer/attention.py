@@ -102,11 +102,12 @@ class DotProductAttention(nn.Module):
         rng = contextlib.nullcontext()
         if dropout_p > 0 and not self.config.sequence_parallel:
             rng = tp_random.get_cuda_rng_tracker().fork()
+        comm_type = comm_type_of_layer(self.config.cp_comm_type, self.layer_number) or "p2p"
+        group = (parallel_state.get_hierarchical_context_parallel_groups() if comm_type == "a2a+p2p"
+                 else parallel_state.get_context_parallel_group())
         with rng:
-            out = context_parallel_attention(
-                q, k, v, parallel_state.get_context_parallel_group(),
-                comm_type_of_layer(self.config.cp_comm_type, self.layer_number) or "p2p",
-                scale=self.softmax_scale, dropout_p=dropout_p)
+            out = context_parallel_attention(q, k, v, group, comm_type, scale=self.softmax_scale,
+                                             dropout_p=dropout_p)
         return out.permute(2, 0, 1, 3).flatten(2)
 
 

@@ -15,6 +15,11 @@ The attention of the local queries over the whole sequence, by `--cp-comm-type`:
   query heads and K/V groups divisible by P.
 - `p2p`: a ring of K/V blocks with log-sum-exp merging, blocks the mask hides skipped
   (cp_ring.py).
+- `a2a+p2p` (hierarchical): the CP group of P = A x R ranks is split into a2a groups of A
+  neighbours and p2p rings of R ranks A apart (`--hierarchical-context-parallel-sizes A R`).
+  The a2a within a group trades heads for its A ranks' chunks, which laid out as below are the
+  two chunks (each A chunks long) of a rank of an R-rank ring; the ring then runs over the p2p
+  group as `p2p` does, and an all-to-all goes back.
 Every function here takes q [b, hq, 2c, d] and k, v [b, hkv, 2c, d] (GQA: hq a multiple of
 hkv, only the hkv groups travel) in this rank's layout and returns [b, hq, 2c, d].
 """
@@ -30,8 +35,8 @@ import torch.nn.functional as F
 
 from ..tensor_parallel.mappings import _all_gather_single, _reduce_scatter_single
 from ..utils import chunks_of_rank
+from .enums import CP_COMM_TYPES
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 # ------------------------------------------------------------------ the split
@@ -124,6 +129,10 @@ class _HeadsForSequence(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, group, inverse: bool) -> torch.Tensor:
+    # NOTE: the A ranks' chunk pairs, gathered, are put in the order (first chunks by rank, then
+    # second chunks by rank reversed). When the group is the whole CP group this is the sequence
+    # in its own order; when it is an a2a group of a2a+p2p (ranks vA..vA+A-1) these are the
+    # chunks vA..vA+A-1 and then 2P-A(v+1)..2P-1-vA: chunks v and 2R-1-v of an R-rank ring.
     size = dist.get_world_size(group)
     b, h, s, d = x.shape
     if not inverse:
@@ -154,15 +163,41 @@ def a2a_attention(q, k, v, group, *, scale: float, dropout_p: float = 0.0) -> to
     return _HeadsForSequence.apply(out, group, True)
 
 
+# ------------------------------------------------------------------ a2a+p2p (hierarchical)
+
+def a2a_p2p_attention(q, k, v, groups, *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """`groups` = [the a2a group (A neighbours), the p2p ring (R ranks A apart)], Megatron's
+    get_hierarchical_context_parallel_groups(): Ulysses within the a2a group, a ring across."""
+    from .cp_ring import ring_attention
+
+    a2a_group, p2p_group = _two_levels(groups)
+    size = dist.get_world_size(a2a_group)
+    if q.size(1) % size or k.size(1) % size:
+        raise ValueError(f"--cp-comm-type a2a+p2p needs the attention heads ({q.size(1)}) and query groups "
+                         f"({k.size(1)}) of a tensor-parallel rank divisible by the a2a size ({size})")
+    q, k, v = (_HeadsForSequence.apply(t, a2a_group, False) for t in (q, k, v))
+    out = ring_attention(q, k, v, p2p_group, scale=scale, dropout_p=dropout_p)
+    return _HeadsForSequence.apply(out, a2a_group, True)
+
+
+def _two_levels(groups):
+    if not isinstance(groups, (list, tuple)) or len(groups) != 2:
+        raise ValueError("--cp-comm-type a2a+p2p takes two hierarchical context-parallel groups (a2a, p2p), "
+                         f"from --hierarchical-context-parallel-sizes A R; got {groups!r}")
+    return groups
+
+
 # ------------------------------------------------------------------ dispatch
 
 def context_parallel_attention(q, k, v, group, comm_type: str, *, scale: float,
                                dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this CP rank's queries over the whole sequence (see the module's
-    docstring); `group` the CP group, `comm_type` Megatron's --cp-comm-type."""
-    if comm_type in ("all_gather", "a2a"):
-        attention = all_gather_attention if comm_type == "all_gather" else a2a_attention
-        with dropout_of_this_rank(q.device, dist.get_rank(group)) if dropout_p > 0 else contextlib.nullcontext():
+    docstring); `group` the CP group (for a2a+p2p: its [a2a, p2p] hierarchical groups),
+    `comm_type` Megatron's --cp-comm-type."""
+    attention = {"all_gather": all_gather_attention, "a2a": a2a_attention,
+                 "a2a+p2p": a2a_p2p_attention}.get(comm_type)
+    if attention is not None:
+        with dropout_of_this_rank(q.device, _cp_rank(group)) if dropout_p > 0 else contextlib.nullcontext():
             return attention(q, k, v, group, scale=scale, dropout_p=dropout_p)
     if comm_type == "p2p":
         from .cp_ring import ring_attention
@@ -171,13 +206,21 @@ def context_parallel_attention(q, k, v, group, comm_type: str, *, scale: float,
     raise ValueError(f"cp_comm_type {comm_type!r} is not supported (one of {', '.join(CP_COMM_TYPES)})")
 
 
+def _cp_rank(group) -> int:
+    """This rank's place in the CP group (for hierarchical groups: a2a rank + A x p2p rank)."""
+    if isinstance(group, (list, tuple)):
+        a2a_group, p2p_group = _two_levels(group)
+        return dist.get_rank(a2a_group) + dist.get_world_size(a2a_group) * dist.get_rank(p2p_group)
+    return dist.get_rank(group)
+
+
 @contextlib.contextmanager
 def dropout_of_this_rank(device: torch.device, cp_rank: int):
     """Inside, `device`'s generator draws a stream of this CP rank's own, seeded from the current
     one (which every CP rank shares, and which advances alike on each): the CP ranks' attention
     dropout masks differ (a2a: rank r's heads; all_gather: its query chunks), as one process's
     would, and a recompute that restores the RNG state draws them again."""
-    from .cp_ring import dropout_seed
+    from .cp_blocks import dropout_seed
 
     seed = dropout_seed(device)
     devices = [device.index if device.index is not None else torch.cuda.current_device()] \

@@ -28,16 +28,17 @@ dS = P * (dP - rowsum(dO * O)). dQ stays local; each K/V pair of chunks travels
 the ring again with an fp32 dK/dV accumulator that follows it one step behind
 and makes a last hop home.
 
-Dropout (dropout_p > 0): each block's keep-mask is drawn from a generator
-seeded by (this call's seed, i, j), the seed drawn from the current RNG of the
-inputs' device (so a caller's RNG-tracker fork applies, as in
+A block's attention (cp_blocks.py): SDPA's flash kernel per block where it
+applies (CPU; CUDA in fp16/bf16), else plain torch in fp32. Dropout
+(dropout_p > 0, the plain path): each block's keep-mask is drawn from a
+generator seeded by (this call's seed, i, j), the seed drawn from the current
+RNG of the inputs' device (so a caller's RNG-tracker fork applies, as in
 DotProductAttention); the backward redraws the same masks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Optional
 
 import torch
@@ -45,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..utils import chunks_of_rank
+from .cp_blocks import blocks_for
 
 
 # Point-to-point tags of the two streams that may be in flight at once (gloo matches on them;
@@ -147,34 +149,33 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, dropout_p):
         ring = _Ring(group)
-        dropout = _Dropout(dropout_p, dropout_seed(q.device) if dropout_p > 0 else None)
-        out, lse = _forward_ring(ring, q, k, v, scale, dropout)
+        blocks = blocks_for(q, scale, dropout_p)
+        out, lse = _forward_ring(ring, q, k, v, blocks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale, ctx.dropout = ring, scale, dropout
+        ctx.ring, ctx.blocks = ring, blocks
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_ring(ctx.ring, q, k, v, out, dout, lse, ctx.scale, ctx.dropout)
+        dq, dk, dv = _backward_ring(ctx.ring, q, k, v, out, dout, lse, ctx.blocks)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 # ---- the two rings -------------------------------------------------------------------------------
 
-def _forward_ring(ring: _Ring, q, k, v, scale, dropout):
+def _forward_ring(ring: _Ring, q, k, v, blocks):
     """This rank's output [b, hq, 2c, d] and lse [b, hkv, g, 2c], both fp32."""
-    queries = _query_chunks(q, k.size(1))
+    queries = q.chunk(2, dim=2)
     partials = [None, None]  # per local query chunk: (out, lse) merged so far
     kv = torch.stack([k, v])  # NOTE: one message per hop; K/V keep their dtype and hkv heads
     for step in range(ring.size):
         transfer = ring.shift(kv, _KV_TAG) if step < ring.size - 1 else None
-        keys, values = _kv_chunks(kv)
+        keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         for (slot, i), (k_slot, j), kind in _blocks(ring, step):
             _log_block("forward", i, j, kind)
-            keep = dropout.keep(i, j, queries[slot])
-            block = _block_forward(queries[slot], keys[k_slot], values[k_slot], scale, kind, keep, dropout.p)
+            block = blocks.forward(queries[slot], keys[k_slot], values[k_slot], i, j, kind)
             partials[slot] = _merge(partials[slot], block)
         if transfer is not None:
             kv = transfer.wait()
@@ -184,25 +185,22 @@ def _forward_ring(ring: _Ring, q, k, v, scale, dropout):
     return out.flatten(1, 2), lse
 
 
-def _backward_ring(ring: _Ring, q, k, v, out, dout, lse, scale, dropout):
+def _backward_ring(ring: _Ring, q, k, v, out, dout, lse, blocks):
     """dQ, dK, dV (fp32) of this rank's chunks."""
-    hkv = k.size(1)
-    queries, douts = _query_chunks(q, hkv), _query_chunks(dout, hkv)
-    delta = (_query_chunks(dout, hkv, split=False) * _query_chunks(out, hkv, split=False)).sum(-1)
-    lses, deltas = lse.chunk(2, dim=3), delta.chunk(2, dim=3)
-    dq = [torch.zeros_like(x) for x in queries]
+    queries, outs, douts = q.chunk(2, dim=2), out.chunk(2, dim=2), dout.chunk(2, dim=2)
+    lses = lse.chunk(2, dim=3)
+    dq = [None, None]
     kv = torch.stack([k, v])
     pending = None  # the dK/dV accumulator of the chunks this rank holds, coming from the previous rank
     for step in range(ring.size):
         transfer = ring.shift(kv, _KV_TAG) if step < ring.size - 1 else None
-        keys, values = _kv_chunks(kv)
+        keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
         grads = torch.zeros((2,) + k.shape, dtype=torch.float32, device=k.device)  # this step's dK, dV
         for (slot, i), (k_slot, j), kind in _blocks(ring, step):
             _log_block("backward", i, j, kind)
-            keep = dropout.keep(i, j, queries[slot])
-            dq_b, dk_b, dv_b = _block_backward(queries[slot], keys[k_slot], values[k_slot], douts[slot],
-                                               lses[slot], deltas[slot], scale, kind, keep, dropout.p)
-            dq[slot] += dq_b
+            dq_b, dk_b, dv_b = blocks.backward(queries[slot], keys[k_slot], values[k_slot], outs[slot],
+                                               douts[slot], lses[slot], i, j, kind)
+            dq[slot] = dq_b if dq[slot] is None else dq[slot] + dq_b
             grads[0].chunk(2, dim=2)[k_slot].add_(dk_b)
             grads[1].chunk(2, dim=2)[k_slot].add_(dv_b)
         if pending is not None:
@@ -213,6 +211,7 @@ def _backward_ring(ring: _Ring, q, k, v, out, dout, lse, scale, dropout):
         if transfer is not None:
             kv = transfer.wait()
     dk, dv = pending.wait()
+    # NOTE: both query chunks meet their diagonal block at step 0, so no dq is None.
     return torch.cat(dq, dim=3).flatten(1, 2), dk, dv
 
 
@@ -225,106 +224,11 @@ def _blocks(ring: _Ring, step: int):
                 yield (slot, i), (k_slot, j), kind
 
 
-def _query_chunks(x: torch.Tensor, hkv: int, split: bool = True):
-    """[b, hq, 2c, d] -> fp32 [b, hkv, g, 2c, d] (query head h uses K/V head h // g), or its two chunks."""
-    b, hq, s, d = x.shape
-    grouped = x.float().reshape(b, hkv, hq // hkv, s, d)
-    return grouped.chunk(2, dim=3) if split else grouped
-
-
-def _kv_chunks(kv: torch.Tensor):
-    """[2, b, hkv, 2c, d] -> fp32 (keys, values), each the two chunks [b, hkv, c, d]."""
-    kv = kv.float()
-    return kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-
-
-# ---- one block ------------------------------------------------------------------------------------
-# A fast-kernel path for CUDA (a flash-attention forward/backward that takes and returns the
-# block's lse, e.g. torch's _scaled_dot_product_flash_attention with is_causal for the diagonal
-# kind) would replace _block_forward and _block_backward; the rings and the merge stay.
-
-def _scores(q, k, scale, kind):
-    """q [b, hkv, g, c, d], k [b, hkv, c, d] -> fp32 scores [b, hkv, g, c, c]."""
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if kind == "diagonal":
-        c = scores.size(-1)
-        hidden = torch.ones(c, c, dtype=torch.bool, device=scores.device).triu(1)
-        # NOTE: every row keeps its own key, so no row is all -inf (its lse stays finite).
-        scores = scores.masked_fill(hidden, float("-inf"))
-    return scores
-
-
-def _block_forward(q, k, v, scale, kind, keep, dropout_p):
-    """The block's output normalized by its own lse, and that lse [b, hkv, g, c]."""
-    scores = _scores(q, k, scale, kind)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    if keep is not None:
-        probs = probs * keep / (1.0 - dropout_p)
-    return torch.matmul(probs, v.unsqueeze(2)), lse
-
-
 def _merge(partial, block):
+    """Two partial outputs of the same rows, each normalized by its lse, as one."""
     if partial is None:
         return block
     (out_a, lse_a), (out_b, lse_b) = partial, block
     lse = torch.logaddexp(lse_a, lse_b)
     out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
     return out, lse
-
-
-def _block_backward(q, k, v, dout, lse, delta, scale, kind, keep, dropout_p):
-    """The block's contributions to dQ [b, hkv, g, c, d] and dK, dV [b, hkv, c, d]."""
-    probs = torch.exp(_scores(q, k, scale, kind) - lse.unsqueeze(-1))  # its share of the full softmax
-    dprobs = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
-    kept = probs
-    if keep is not None:
-        kept = probs * keep / (1.0 - dropout_p)
-        dprobs = dprobs * keep / (1.0 - dropout_p)
-    # NOTE: delta = rowsum(dO * O) over the full row, O the (dropped-out) output: this is the
-    # softmax backward's sum_j P_ij dP_ij, with or without dropout.
-    dscores = probs * (dprobs - delta.unsqueeze(-1))
-    dq = torch.matmul(dscores, k.unsqueeze(2)) * scale
-    # GQA: a K/V head's gradient sums over the query heads of its group (dim 2).
-    dk = torch.matmul(dscores.transpose(-1, -2), q).sum(2) * scale
-    dv = torch.matmul(kept.transpose(-1, -2), dout).sum(2)
-    return dq, dk, dv
-
-
-# ---- dropout --------------------------------------------------------------------------------------
-
-class _Dropout:
-    """The keep-masks of one call: block (i, j)'s depends on (seed, i, j) alone."""
-
-    def __init__(self, p: float, seed: Optional[int]):
-        self.p, self.seed = p, seed
-
-    def keep(self, q_chunk: int, k_chunk: int, queries: torch.Tensor) -> Optional[torch.Tensor]:
-        if self.seed is None:
-            return None
-        b, hkv, g, c, _ = queries.shape
-        mask = dropout_keep_mask(self.seed, q_chunk, k_chunk, (b, hkv * g, c, c), self.p, queries.device)
-        return mask.view(b, hkv, g, c, c)
-
-
-def dropout_keep_mask(seed: int, q_chunk: int, k_chunk: int, shape, p: float, device) -> torch.Tensor:
-    """Block (q_chunk, k_chunk)'s keep-mask [b, hq, c, c] (float, 1 = kept) for a call's `seed`."""
-    generator = torch.Generator(device=device).manual_seed(_hash_seed(f"{seed}:{q_chunk}:{k_chunk}".encode()))
-    return (torch.rand(shape, generator=generator, device=device) >= p).float()
-
-
-@torch.compiler.disable  # NOTE: run at every call; traced, the seed would be a constant of the graph
-def dropout_seed(device: torch.device) -> int:
-    """A call's dropout seed, from the current RNG state of `device`, which it then advances."""
-    if device.type == "cuda":
-        state = torch.cuda.get_rng_state(device)  # host-side (seed, offset): no sync
-    elif device.type == "cpu":
-        state = torch.get_rng_state()
-    else:
-        raise NotImplementedError(f"ring_attention: dropout on {device.type} tensors is not supported")
-    torch.rand(1, device=device)  # the next call gets another seed (asynchronous on CUDA)
-    return _hash_seed(state.numpy().tobytes())
-
-
-def _hash_seed(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..model_parallel_config import ModelParallelConfig
 from ..utils import check_positive_int, reject_unsupported
+from .enums import CP_COMM_TYPES
 from .utils import init_method_normal, scaled_init_method_normal
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -270,19 +271,22 @@ class TransformerConfig(ModelParallelConfig):
         kinds = self.cp_comm_type if isinstance(self.cp_comm_type, (list, tuple)) else [self.cp_comm_type]
         if isinstance(self.cp_comm_type, (list, tuple)) and len(kinds) != self.num_layers:
             raise ValueError(f"cp_comm_type has {len(kinds)} values: one, or one per layer ({self.num_layers})")
-        allowed = ("p2p", "all_gather", "a2a", "a2a+p2p")
         for kind in kinds:
-            if kind is not None and kind not in allowed:
-                raise ValueError(f"cp_comm_type {kind!r} is not one of {', '.join(allowed)}")
-            if kind == "a2a+p2p":
-                raise NotImplementedError("cp_comm_type 'a2a+p2p' (hierarchical context parallelism) is not "
-                                          "supported yet: use 'p2p', 'all_gather' or 'a2a'")
+            if kind is not None and kind not in CP_COMM_TYPES:
+                raise ValueError(f"cp_comm_type {kind!r} is not one of {', '.join(CP_COMM_TYPES)}")
         cp, tp = self.context_parallel_size, self.tensor_model_parallel_size
-        if cp > 1 and "a2a" in kinds:
-            heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
-            if heads % cp or groups % cp:
-                raise ValueError(f"cp_comm_type 'a2a' needs the attention heads ({heads}) and query groups "
-                                 f"({groups}) of a tensor-parallel rank divisible by context_parallel_size ({cp})")
+        heads, groups = self.num_attention_heads // tp, self.num_query_groups // tp
+        if cp > 1 and "a2a" in kinds and (heads % cp or groups % cp):
+            raise ValueError(f"cp_comm_type 'a2a' needs the attention heads ({heads}) and query groups "
+                             f"({groups}) of a tensor-parallel rank divisible by context_parallel_size ({cp})")
+        if cp > 1 and "a2a+p2p" in kinds:
+            sizes = self.hierarchical_context_parallel_sizes
+            if sizes is None or len(sizes) != 2:
+                raise ValueError(f"cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes = [a2a size, "
+                                 f"p2p size] (product {cp}), got {sizes!r}")
+            if heads % sizes[0] or groups % sizes[0]:
+                raise ValueError(f"cp_comm_type 'a2a+p2p' needs the attention heads ({heads}) and query groups "
+                                 f"({groups}) of a tensor-parallel rank divisible by the a2a size ({sizes[0]})")
 
     def _check_recompute(self):
         if self.recompute_granularity not in _RECOMPUTE_GRANULARITIES:
