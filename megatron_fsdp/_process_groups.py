@@ -29,6 +29,11 @@ FLATTENED_DIMS = (
     ("tp_dp_cp", ("dp_replicate", "dp_shard", "cp", "tp")),
 )
 
+# The expert layout (Megatron's expert RankGenerator: the order's "tp" is the expert tensor-parallel
+# size, "dp" the expert data-parallel size, no "cp"): its root mesh's dims and flattened views.
+EXPERT_DIM_NAMES = {"tp": "etp", "ep": "ep", "dp": "expt_dp"}
+EXPERT_FLATTENED_DIMS = (("ep_etp", ("ep", "etp")),)
+
 # gloo groups over the data-parallel ranks (Megatron's *_GLOO groups): the
 # flattened view whose ranks each one spans.
 GLOO_DIMS = ("dp", "dp_cp", "dp_shard_cp")
@@ -105,7 +110,6 @@ def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_par
     ):
         check_positive_int(name, value)
     no_pipeline = "there is no pipeline parallelism"
-    no_experts = "there is no expert parallelism"
     reject_unsupported("initialize_model_parallel", {
         "pipeline_model_parallel_size": (pipeline_model_parallel_size, 1, no_pipeline),
         "virtual_pipeline_model_parallel_size": (
@@ -114,10 +118,6 @@ def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_par
         "pipeline_model_parallel_split_rank": (pipeline_model_parallel_split_rank, None, no_pipeline),
         # There is no pipeline communication to give a backend to.
         "pipeline_model_parallel_comm_backend": (pipeline_model_parallel_comm_backend, None, no_pipeline),
-        "expert_model_parallel_size": (expert_model_parallel_size, 1, no_experts),
-        "expert_tensor_parallel_size": (
-            1 if expert_tensor_parallel_size in (None, tensor_model_parallel_size) else expert_tensor_parallel_size,
-            1, no_experts + " (None or tensor_model_parallel_size also mean the dense layers' TP)"),
         "encoder_tensor_model_parallel_size": (encoder_tensor_model_parallel_size, 0,
                                                "there is no encoder parallelism"),
         "encoder_pipeline_model_parallel_size": (encoder_pipeline_model_parallel_size, 0,
@@ -146,6 +146,16 @@ def check_initialize_arguments(*, tensor_model_parallel_size, pipeline_model_par
             f"data-parallel size ({data_parallel_size}) is not divisible by "
             f"num_distributed_optimizer_instances ({num_distributed_optimizer_instances})"
         )
+    if expert_tensor_parallel_size is not None:
+        check_positive_int("expert_tensor_parallel_size", expert_tensor_parallel_size)
+    expert_model_parallel = (expert_tensor_parallel_size or tensor_model_parallel_size) * expert_model_parallel_size
+    if world_size % expert_model_parallel != 0:
+        raise RuntimeError(f"world size ({world_size}) is not divisible by expert_tensor_parallel_size "
+                           f"({expert_tensor_parallel_size or tensor_model_parallel_size}) x "
+                           f"expert_model_parallel_size ({expert_model_parallel_size})")
+    if expert_model_parallel_size > 1 and num_distributed_optimizer_instances > 1:
+        raise NotImplementedError("expert_model_parallel_size > 1 with num_distributed_optimizer_instances > 1 "
+                                  "(HSDP) is not supported: the experts shard over their whole data-parallel group")
     return data_parallel_size
 
 
@@ -172,9 +182,20 @@ def build_hierarchical_cp_groups(mesh: DeviceMesh, names: tuple[str, ...],
     return mine
 
 
-def build_meshes(device_type: str, shape: tuple[int, ...],
-                 names: tuple[str, ...]) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
-    """The root mesh and every 1D view by name: the root's dims and FLATTENED_DIMS."""
+def expert_mesh_layout(order: str, sizes: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The expert root mesh's dim names and shape, slowest-varying first, from Megatron's `order`
+    (fastest first): with the default "tp-cp-ep-dp-pp", etp fastest, then ep, then expt_dp.
+    `sizes` by expert dim name."""
+    fast_first = [EXPERT_DIM_NAMES[n] for n in order.lower().split("-") if n in EXPERT_DIM_NAMES]
+    fast_first += [n for n in ("etp", "ep", "expt_dp") if n not in fast_first]
+    names = tuple(reversed(fast_first))
+    return names, tuple(sizes[n] for n in names)
+
+
+def build_meshes(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
+                 flattened: tuple = FLATTENED_DIMS) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
+    """The root mesh and every 1D view by name: the root's dims and the `flattened` ones
+    (FLATTENED_DIMS for the dense layout, EXPERT_FLATTENED_DIMS for the experts')."""
     global _MESH_CACHE_OWNER
     default_group = _torch_compat.default_group()
     if _MESH_CACHE_OWNER is not default_group:
@@ -186,7 +207,7 @@ def build_meshes(device_type: str, shape: tuple[int, ...],
         return _MESH_CACHE[key]
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     dim_meshes = {name: mesh[name] for name in names}
-    for flat, dims in FLATTENED_DIMS:
+    for flat, dims in flattened:
         # DeviceMesh slices must list dims in the root mesh's order.
         dim_meshes[flat] = _torch_compat.flatten_mesh(mesh[tuple(sorted(dims, key=names.index))], flat)
     _MESH_CACHE[key] = (mesh, dim_meshes)

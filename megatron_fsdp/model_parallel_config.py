@@ -63,6 +63,8 @@ class ModelParallelConfig:
                      "context_parallel_size", "expert_model_parallel_size"):
             check_positive_int(name, getattr(self, name))
         check_hierarchical_sizes(self.hierarchical_context_parallel_sizes, self.context_parallel_size)
+        if self.expert_tensor_parallel_size is not None:
+            check_positive_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 cannot both be True")
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
@@ -70,7 +72,6 @@ class ModelParallelConfig:
         reject_unsupported_fields(self, {
             "pipeline_model_parallel_size": 1,
             "virtual_pipeline_model_parallel_size": None,
-            "expert_model_parallel_size": 1,
             # Fusing wgrad into a main_grad buffer needs Megatron's own DDP buffers.
             "gradient_accumulation_fusion": False,
             "tp_comm_overlap": False,

@@ -31,6 +31,8 @@ from ._process_groups import (
     build_gloo_groups as _build_gloo_groups,
     build_hierarchical_cp_groups as _build_hierarchical_cp_groups,
     build_meshes as _build_meshes,
+    EXPERT_FLATTENED_DIMS as _EXPERT_FLATTENED_DIMS,
+    expert_mesh_layout as _expert_mesh_layout,
     check_initialize_arguments as _check_initialize_arguments,
     parse_order as _parse_order,
 )
@@ -58,6 +60,10 @@ class _ParallelState:
     # This rank's group at each level of hierarchical_context_parallel_sizes (a2a+p2p: the a2a
     # group, then the p2p ring); None when none were asked for.
     hierarchical_context_parallel_groups: Optional[list[dist.ProcessGroup]] = None
+    # The experts' layout (Megatron's expert RankGenerator): a root mesh over every rank with dims
+    # expt_dp, ep, etp (in `order`'s nesting) and its 1D views by name (and "ep_etp").
+    expert_mesh: Optional[DeviceMesh] = None
+    expert_dim_meshes: Optional[dict[str, DeviceMesh]] = None
 
 
 _STATE: Optional[_ParallelState] = None
@@ -159,6 +165,12 @@ def initialize_model_parallel(
     groups = {id(m.get_group()): m.get_group() for m in dim_meshes.values()}
     gloo_groups = _build_gloo_groups(mesh, dim_meshes, tuple(mesh_names)) if create_gloo_process_groups else None
     groups.update({id(g): g for g in (gloo_groups or {}).values()})
+    expert_tp = expert_tensor_parallel_size or tensor_model_parallel_size
+    expert_names, expert_shape = _expert_mesh_layout(order, {
+        "etp": expert_tp, "ep": expert_model_parallel_size,
+        "expt_dp": dist.get_world_size() // (expert_tp * expert_model_parallel_size)})
+    expert_mesh, expert_dim_meshes = _build_meshes(device_type, expert_shape, expert_names, _EXPERT_FLATTENED_DIMS)
+    groups.update({id(m.get_group()): m.get_group() for m in expert_dim_meshes.values()})
     hierarchical = None
     if hierarchical_context_parallel_sizes is not None:
         hierarchical = _build_hierarchical_cp_groups(mesh, tuple(mesh_names),
@@ -179,6 +191,8 @@ def initialize_model_parallel(
         order=order,
         gloo_groups=gloo_groups,
         hierarchical_context_parallel_groups=hierarchical,
+        expert_mesh=expert_mesh,
+        expert_dim_meshes=expert_dim_meshes,
     )
 
 
@@ -511,14 +525,103 @@ def is_rank_in_position_embedding_group() -> bool:
     return _STATE is not None
 
 
+# ---------------------------------------------------------------- experts (MoE)
+# Megatron's expert layout: world = expert TP x EP x expert DP, expert TP fastest (as the dense
+# TP), then EP, then expert DP, which spans the dense DP and CP ranks alike.
+
+
+def get_expert_device_mesh() -> DeviceMesh:
+    """The experts' root mesh, dims ("expt_dp", "ep", "etp") (NVIDIA Megatron-FSDP's expt_device_mesh)."""
+    return _state().expert_mesh
+
+
+def get_expert_data_parallel_mesh() -> DeviceMesh:
+    """The 1D mesh FSDP shards expert parameters over."""
+    return _state().expert_dim_meshes["expt_dp"]
+
+
+def get_expert_model_parallel_mesh() -> DeviceMesh:
+    """The 2D (ep, etp) mesh expert parameters are DTensors on."""
+    return _state().expert_mesh["ep", "etp"]
+
+
+def _expert_group(dim: str, check_initialized: bool) -> Optional[dist.ProcessGroup]:
+    if _STATE is None and not check_initialized:
+        return None
+    return _state().expert_dim_meshes[dim].get_group()
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    return _expert_group("ep", check_initialized)
+
+
 def get_expert_model_parallel_world_size() -> int:
-    _state()
-    return 1
+    return _state().expert_dim_meshes["ep"].size()
 
 
 def get_expert_model_parallel_rank() -> int:
-    _state()
-    return 0
+    return _state().expert_dim_meshes["ep"].get_local_rank()
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    return dist.get_global_rank(get_expert_model_parallel_group(), 0)
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    return _expert_group("etp", check_initialized)
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _state().expert_dim_meshes["etp"].size()
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _state().expert_dim_meshes["etp"].get_local_rank()
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True) -> dist.ProcessGroup:
+    return _expert_group("ep_etp", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    return _state().expert_dim_meshes["ep_etp"].size()
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    return _state().expert_dim_meshes["ep_etp"].get_local_rank()
+
+
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True,
+                                                    with_egtp_remat: bool = False) -> dist.ProcessGroup:
+    """With one pipeline stage: the expert tensor x model parallel group."""
+    return get_expert_tensor_and_model_parallel_group(check_initialized)
+
+
+def get_expert_data_parallel_group(check_initialized: bool = True, with_gtp_remat: bool = True,
+                                   partial_expert_data_parallel: bool = False) -> dist.ProcessGroup:
+    # NOTE: one distributed-optimizer instance with experts (HSDP + EP is refused), so the partial
+    # expert data-parallel group is the whole one.
+    _check_gtp_remat(with_gtp_remat)
+    return _expert_group("expt_dp", check_initialized)
+
+
+def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False) -> dist.ProcessGroup:
+    group = get_expert_data_parallel_group()
+    if dist.get_backend(group) != "gloo":
+        raise RuntimeError("the expert data-parallel gloo group is not created with NCCL: use "
+                           "get_expert_data_parallel_group()")
+    return group
+
+
+def get_expert_data_parallel_rank(with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False) -> int:
+    _check_gtp_remat(with_gtp_remat)
+    return _state().expert_dim_meshes["expt_dp"].get_local_rank()
+
+
+def get_expert_data_parallel_world_size(with_gtp_remat: bool = True,
+                                        partial_expert_data_parallel: bool = False) -> int:
+    _check_gtp_remat(with_gtp_remat)
+    return _state().expert_dim_meshes["expt_dp"].size()
 
 
 def get_all_ranks() -> str:

@@ -156,6 +156,8 @@ def _case_layout(tp: int, cp: int, n_inst: int, order: str) -> dict:
         ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=1)
     assert ps.get_expert_model_parallel_world_size() == 1
     assert ps.get_expert_model_parallel_rank() == 0
+    assert ps.get_expert_tensor_parallel_world_size() == tp  # expert TP defaults to TP
+    assert ps.get_expert_data_parallel_world_size() == dp * cp  # expert DP spans the DP and CP ranks
     assert ps.get_all_ranks() == f"{me['tp']}_0_{me['dp']}_{me['cp']}_0_0"
 
     # Meshes: CPU under gloo, sizes and groups consistent with the getters.
@@ -237,6 +239,44 @@ def test_groups_match_megatron_layout(pools, name):
     results = pools(WORLD).run(_case_layout, tp, cp, n_inst, order)
     # The TP (and DP) groups partition the world.
     for dim in ("tp", "dp", "cp"):
+        groups = {tuple(r[dim]) for r in results}
+        assert sorted(x for g in groups for x in g) == list(range(WORLD)), f"{dim} groups {groups}"
+
+
+def _case_expert_layout(tp: int, ep: int, etp, order) -> dict:
+    """Megatron's expert RankGenerator: the order with "cp" left out, "tp" the expert TP size and
+    "dp" the expert DP size (world / (expert TP x EP)), the first name fastest."""
+    kwargs = {} if order is None else {"order": order}
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp, **kwargs)
+    etp = tp if etp is None else etp
+    sizes = {"tp": etp, "ep": ep, "dp": WORLD // (etp * ep)}
+    coords = _layout((order or "tp-cp-ep-dp-pp").replace("cp-", ""), sizes)
+    rank = dist.get_rank()
+    expected = {"etp": _same_except(coords, rank, ("tp",)), "ep": _same_except(coords, rank, ("ep",)),
+                "ep_etp": _same_except(coords, rank, ("tp", "ep")), "expt_dp": _same_except(coords, rank, ("dp",))}
+    groups = {"etp": ps.get_expert_tensor_parallel_group(), "ep": ps.get_expert_model_parallel_group(),
+              "ep_etp": ps.get_expert_tensor_and_model_parallel_group(), "expt_dp": ps.get_expert_data_parallel_group()}
+    for name, group in groups.items():
+        assert sorted(_group_ranks(group)) == expected[name], (name, _group_ranks(group), expected[name])
+        _check_allreduce(group, expected[name], name)
+    me = coords[rank]
+    assert (ps.get_expert_tensor_parallel_rank(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_data_parallel_rank()) == (me["tp"], me["ep"], me["dp"])
+    assert (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_data_parallel_world_size()) == (etp, ep, sizes["dp"])
+    assert ps.get_expert_tensor_and_model_parallel_world_size() == etp * ep
+    assert ps.get_expert_model_parallel_mesh().mesh_dim_names == ("ep", "etp")
+    assert ps.get_all_ranks().endswith(f"_{me['ep']}")
+    return expected
+
+
+@pytest.mark.parametrize("tp,ep,etp,order", tiered(
+    [(1, 2, None, None), (2, 2, None, None), (2, 2, 1, None), (1, 4, None, None), (2, 1, 1, None),
+     (2, 2, 1, "tp-cp-dp-ep-pp")], [(2, 2, 1, None)]))
+def test_expert_groups_match_megatron_layout(pools, tp, ep, etp, order):
+    results = pools(WORLD).run(_case_expert_layout, tp, ep, etp, order)
+    for dim in ("etp", "ep", "expt_dp"):
         groups = {tuple(r[dim]) for r in results}
         assert sorted(x for g in groups for x in g) == list(range(WORLD)), f"{dim} groups {groups}"
 
@@ -514,10 +554,13 @@ INIT_ERRORS = {
                           ["pipeline_model_parallel_size=2"]),
     "virtual_pipeline": (dict(virtual_pipeline_model_parallel_size=2), "NotImplementedError",
                          ["virtual_pipeline_model_parallel_size=2"]),
-    "expert_parallel": (dict(expert_model_parallel_size=2), "NotImplementedError",
-                        ["expert_model_parallel_size=2"]),
-    "expert_tensor_parallel": (dict(expert_tensor_parallel_size=2), "NotImplementedError",
-                               ["expert_tensor_parallel_size=2"]),
+    "expert_tensor_parallel_zero": (dict(expert_tensor_parallel_size=0), "ValueError",
+                                    ["expert_tensor_parallel_size must be a positive integer, got 0"]),
+    "expert_parallel_not_dividing_world": (dict(expert_model_parallel_size=3), "RuntimeError",
+                                           ["world size (4) is not divisible by expert_tensor_parallel_size (1) x "
+                                            "expert_model_parallel_size (3)"]),
+    "expert_parallel_with_hsdp": (dict(expert_model_parallel_size=2, num_distributed_optimizer_instances=2),
+                                  "NotImplementedError", ["(HSDP) is not supported"]),
     "hierarchical_cp_product": (dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 1]),
                                 "ValueError", ["hierarchical_context_parallel_sizes [2, 1]", "product (2)",
                                                "context_parallel_size (4)"]),

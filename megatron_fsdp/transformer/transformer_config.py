@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..model_parallel_config import ModelParallelConfig
 from ..utils import check_positive_int, reject_unsupported
 from .enums import CP_COMM_TYPES
+from .moe.moe_config import check_moe_config
 from .utils import init_method_normal, scaled_init_method_normal
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -137,7 +138,6 @@ class TransformerConfig(ModelParallelConfig):
     qk_layernorm: bool = False
     rotary_interleaved: bool = False
     window_size: Optional[tuple[int, int]] = None
-    num_moe_experts: Optional[int] = None
     multi_latent_attention: bool = False
     calculate_per_token_loss: bool = False
     test_mode: bool = False
@@ -165,6 +165,38 @@ class TransformerConfig(ModelParallelConfig):
     recompute_num_layers: Optional[int] = None
     recompute_modules: Optional[list[str]] = None
     distribute_saved_activations: Optional[bool] = None
+
+    # Mixture of experts (transformer/moe/): Megatron-Core's fields and defaults; checked in
+    # moe/moe_config.py. None experts: dense MLPs only.
+    num_moe_experts: Optional[int] = None
+    moe_layer_freq: Union[int, list] = 1  # every N-th layer MoE, or a 0/1 pattern per layer
+    moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_router_load_balancing_type: str = "aux_loss"  # "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_score_function: str = "softmax"  # or "sigmoid"
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_dtype: Optional[str] = None  # "fp32" or "fp64": the router's logits and scores
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"  # or "alltoall"
+    moe_grouped_gemm: bool = False  # torch._grouped_mm where the device has it (else one GEMM per expert)
+    moe_expert_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: str = "probs"  # or "position"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert's output
+    moe_shared_expert_overlap: bool = False
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
+    moe_layer_recompute: bool = False
+    moe_per_layer_logging: bool = False
+    moe_apply_probs_on_input: bool = False
 
     # fp8 (megatron_fsdp.fp8): Megatron-Core's fields and defaults. Unlike
     # Megatron-Core, first_last_layers_bf16 also works with the delayed recipe.
@@ -232,8 +264,8 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
         self._check_recompute()
         self._check_context_parallel()
+        check_moe_config(self)
         reject_unsupported(type(self).__name__, {name: (getattr(self, name), allowed) for name, allowed in (
-            ("num_moe_experts", None),
             ("multi_latent_attention", False),
             ("window_size", None),
             ("rotary_interleaved", False),
