@@ -37,7 +37,8 @@ def test_spec_decides_qk_layernorm_and_norm_type(pools):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(num_experts=4), NotImplementedError, "num_experts=4"),
+    (dict(num_experts=0), ValueError, "num_moe_experts=0; allowed: a positive int"),
+    (dict(moe_grouped_gemm=True), ValueError, "moe_grouped_gemm=True needs num_experts"),
     (dict(multi_latent_attention=True), NotImplementedError, "multi-latent attention"),
     (dict(qk_l2_norm=True), NotImplementedError, "qk_l2_norm=True"),
     (dict(use_kitchen=True), NotImplementedError, "use_kitchen=True"),
@@ -47,6 +48,20 @@ def test_spec_decides_qk_layernorm_and_norm_type(pools):
 def test_spec_getters_reject_what_they_cannot_honour(kwargs, error, match):
     with pytest.raises(error, match=match):
         get_gpt_layer_local_spec(**kwargs)
+
+
+def test_moe_specs_pin_the_expert_count_and_the_gemm_choice():
+    from megatron_fsdp.models.gpt import get_gpt_decoder_block_spec
+    from megatron_fsdp.transformer import TransformerConfig
+
+    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=True)
+    assert spec.params == {"qk_layernorm": False, "num_moe_experts": 8, "moe_grouped_gemm": True}
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                               add_bias_linear=False, qk_layernorm=True)
+    assert get_gpt_decoder_block_spec(config, use_transformer_engine=False).params == {
+        "qk_layernorm": True, "num_moe_experts": 4, "moe_grouped_gemm": False}
+    with pytest.raises(NotImplementedError, match="vp_stage=1"):
+        get_gpt_decoder_block_spec(config, vp_stage=1)
 
 
 def test_spec_getters_accept_megatrons_unused_fp8_argument():

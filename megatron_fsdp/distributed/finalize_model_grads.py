@@ -12,7 +12,9 @@ Here that is:
   (`copy_to_tensor_model_parallel_region` on the parameter), and without
   pipeline parallelism the tied embedding lives on one stage;
 - `num_tokens` (per-token loss): gradients end up divided by the number of
-  tokens in the global batch, as in Megatron.
+  tokens in the global batch, as in Megatron;
+- with `moe_router_enable_expert_bias`, the routers' expert biases are
+  updated from the step's token counts (Megatron's `_update_router_expert_bias`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: Optional[torc
             _average_over_data_parallel(chunk, dp_group, dp_size)
     if timers is not None:
         timers("all-grads-sync").stop()
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        # Megatron's place for it: the routers' expert biases move with this step's token counts.
+        from ..transformer.moe.router import update_router_expert_bias
+
+        update_router_expert_bias(model, config)
 
     if num_tokens is not None:
         total = num_tokens.detach().clone().to(parallel_state.get_device())

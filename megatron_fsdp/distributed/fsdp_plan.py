@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import parallel_state
 from .._process_groups import backend_device_type
@@ -60,6 +60,12 @@ class FSDPPlan:
     main_params_dtype: Optional[torch.dtype] = None
     # Sharded parameters and gradients in (pinned, on CUDA) CPU memory, so the optimizer steps there.
     cpu_offload: bool = False
+    # Mixture of experts: the experts modules (parameters marked allreduce=False, Megatron's marker),
+    # each a unit of its own sharded over the expert-data-parallel mesh (world / (EP x expert TP)),
+    # inside its layer's unit; their gradients divided by the dense data x context-parallel size.
+    expert_units: tuple = ()
+    expert_mesh: Optional[DeviceMesh] = None
+    expert_grad_divide_factor: Optional[float] = None
 
 
 def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterable[type],
@@ -83,6 +89,8 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         process_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     on_meta = any(p.device.type == "meta" for p in module.parameters())
     mp_policy = _mixed_precision_policy(config, ddp_config)
+    expert_units = () if disable_bucketing else _expert_units(module)
+    _check_experts(expert_units, ddp_config, process_group, reshard_after_forward)
     return FSDPPlan(
         mesh=mesh,
         process_group=process_group,
@@ -99,6 +107,10 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         compiled=compiled,
         main_params_dtype=torch.float32 if mp_policy.param_dtype is not None else None,
         cpu_offload=getattr(ddp_config, "cpu_offload", False),
+        expert_units=expert_units,
+        expert_mesh=parallel_state.get_expert_data_parallel_mesh() if expert_units else None,
+        expert_grad_divide_factor=(float(parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+                                   if expert_units else None),
     )
 
 
@@ -135,6 +147,8 @@ def snapshot_tp_attributes(module: nn.Module) -> dict[str, SimpleNamespace]:
     for name, param in module.named_parameters():
         saved[name] = SimpleNamespace()
         copy_tensor_model_parallel_attributes(saved[name], param)
+        if hasattr(param, "allreduce"):  # Megatron's expert marker (False)
+            saved[name].allreduce = param.allreduce
     return saved
 
 
@@ -168,6 +182,13 @@ def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
     """fully_shard each unit, descendants before ancestors, then the root."""
     offload = (CPUOffloadPolicy(pin_memory=plan.mesh.device_type == "cuda") if plan.cpu_offload
                else OffloadPolicy())
+    for experts in plan.expert_units:  # inside their layers' units: sharded first
+        fully_shard(experts, mesh=plan.expert_mesh, reshard_after_forward=plan.reshard_after_forward,
+                    mp_policy=plan.mp_policy, offload_policy=offload, shard_placement_fn=_expert_shard_placement)
+        # NOTE: an expert's gradient sums the contributions of the tokens of every rank routed to it;
+        # the dense gradients are averaged over DP x CP, so the experts' are divided by that size too,
+        # not by their own mesh's (world / (EP x expert TP)).
+        experts.set_gradient_divide_factor(plan.expert_grad_divide_factor)
     for unit in reversed(plan.units):
         fully_shard(unit, mesh=plan.mesh, reshard_after_forward=plan.reshard_after_forward,
                     mp_policy=plan.mp_policy, offload_policy=offload)
@@ -227,6 +248,8 @@ def install_copy_kernels(plan: FSDPPlan) -> None:
 def restore_tp_attributes(module: nn.Module, saved: dict[str, SimpleNamespace]) -> None:
     for name, param in module.named_parameters():
         copy_tensor_model_parallel_attributes(param, saved[name])
+        if hasattr(saved[name], "allreduce"):
+            param.allreduce = saved[name].allreduce
 
 
 # ---------------------------------------------------------------- planning helpers
@@ -266,6 +289,45 @@ def _data_parallel_mesh(ddp_config, module: nn.Module, process_group: Optional[d
     if instances > 1:
         return parallel_state.get_hybrid_data_parallel_mesh()
     return parallel_state.get_data_parallel_mesh(with_context_parallel=True)
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    return getattr(param, "allreduce", True) is False
+
+
+def _expert_units(root: nn.Module) -> tuple:
+    """The outermost modules whose parameters are all expert parameters (a MoE layer's experts)."""
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            params = list(child.parameters())
+            if params and all(_is_expert(p) for p in params):
+                units.append(child)
+            else:
+                visit(child)
+
+    visit(root)
+    return tuple(units)
+
+
+def _check_experts(expert_units: tuple, ddp_config, process_group, reshard_after_forward) -> None:
+    if not expert_units:
+        return
+    if process_group is not None or ddp_config.num_distributed_optimizer_instances > 1:
+        raise NotImplementedError("a model with experts shards its dense parameters over parallel_state's data- "
+                                  "and context-parallel group and its experts over the expert-data-parallel group: "
+                                  "a process_group or HSDP (num_distributed_optimizer_instances > 1) is not supported")
+    if not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"reshard_after_forward={reshard_after_forward} with experts: use True or False")
+
+
+def _expert_shard_placement(param: torch.Tensor) -> Shard:
+    """FSDP shards an expert weight along its largest dimension that expert and expert-tensor
+    parallelism leave whole (the hidden size): dim 0 holds few experts per rank."""
+    split = {p.dim for p in param.placements if isinstance(p, Shard)} if isinstance(param, DTensor) else {0}
+    free = [d for d in range(param.dim()) if d not in split] or list(range(param.dim()))
+    return Shard(max(free, key=lambda d: (param.size(d), -d)))
 
 
 def _layers_to_compile(ddp_config, module: nn.Module, units) -> tuple:

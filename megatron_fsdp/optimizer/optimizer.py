@@ -387,23 +387,25 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks) -> MegatronOpt
     _check_model_precision(config, chunks)
     _check_cpu_offload(config, chunks)
     params, mains = [], []
-    # Keyed (no weight decay, plain tensor): the fused and foreach kernels
+    # Keyed (no weight decay, plain tensor, expert): the fused and foreach kernels
     # take a group's tensors in one call, which cannot mix DTensors with
-    # plain tensors (TP weights beside replicated norm weights without FSDP).
-    by_group: dict[tuple[bool, bool], list] = {(no_decay, plain): [] for no_decay in (False, True)
-                                               for plain in (False, True)}
+    # plain tensors (TP weights beside replicated norm weights without FSDP),
+    # nor DTensors of the experts' mesh with the dense layers'.
+    by_group: dict[tuple[bool, bool, bool], list] = {(no_decay, plain, expert): [] for expert in (False, True)
+                                                     for no_decay in (False, True) for plain in (False, True)}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if p.requires_grad:
                 main = _main_param(name, p, config)
                 params.append(p)
                 mains.append(main)
-                by_group[(p.dim() == 1 or name.endswith(".bias"), not isinstance(main, DTensor))].append(main)
+                expert = getattr(p, "allreduce", True) is False  # Megatron's expert marker
+                by_group[(p.dim() == 1 or name.endswith(".bias"), not isinstance(main, DTensor), expert)].append(main)
     if not params:
         raise ValueError("get_megatron_optimizer: the model has no trainable parameters")
     groups = [{"params": group, "weight_decay": 0.0 if no_decay else config.weight_decay,
                "wd_mult": 0.0 if no_decay else 1.0}
-              for (no_decay, _), group in by_group.items() if group]
+              for (no_decay, _, _), group in by_group.items() if group]
     if config.optimizer == "adam":
         optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                       eps=config.adam_eps, **_fused_or_foreach(mains))

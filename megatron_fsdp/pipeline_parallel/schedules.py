@@ -88,9 +88,21 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
             raise ValueError(f"loss_func must return (loss, report) or (loss, num_tokens, report), got "
                              f"{len(outputs)} values")
         forward_data_store.append(loss_reduced)
+        if getattr(config, "num_moe_experts", None) is not None:
+            _set_moe_aux_loss_scale(config, output_tensor.device, cp_group_size, num_microbatches)
     if timer is not None:
         timer.stop()
     return output_tensor, num_tokens
+
+
+def _set_moe_aux_loss_scale(config, device, cp_group_size: int, num_microbatches: int) -> None:
+    """The routers' auxiliary losses reach the backward scaled as the language-model loss is
+    (Megatron's forward_step): the fp16 loss scale, x CP / micro-batches."""
+    from ..transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    one = torch.ones(1, device=device)
+    loss_scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    MoEAuxLossAutoScaler.set_loss_scale(loss_scale * cp_group_size / num_microbatches)
 
 
 def _tokens_of_whole_sequences(num_tokens: torch.Tensor, cp_group_size: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ import argparse
 
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     for add in (_network_size, _regularization, _initialization, _training, _fusion, _learning_rate,
-                _checkpointing, _mixed_precision, _fp8, _distributed, _validation, _data, _tokenizer, _logging):
+                _checkpointing, _mixed_precision, _fp8, _distributed, _moe, _validation, _data, _tokenizer,
+                _logging):
         add(parser)
 
 
@@ -40,6 +41,7 @@ def _network_size(p) -> None:
     a("--swiglu", action="store_true", help="SwiGLU MLP (gated, SiLU)")
     a("--disable-bias-linear", action="store_true", help="linear layers without biases")
     a("--add-qkv-bias", action="store_true", help="biases on the query, key and value projections (Qwen2)")
+    a("--qk-layernorm", action="store_true", help="normalize each head's queries and keys (Qwen3, OLMo 2)")
     a("--untie-embeddings-and-output-weights", action="store_true",
       help="separate input embedding and output layer weights")
 
@@ -212,6 +214,64 @@ def _distributed(p) -> None:
     a("--overlap-param-gather", action="store_true", help="overlap parameter all-gathers (always so under FSDP)")
     a("--distributed-backend", choices=["nccl", "gloo"], default=None, help="None: nccl with GPUs, else gloo")
     a("--distributed-timeout-minutes", type=float, default=10, help="collective timeout")
+
+
+def _moe(p) -> None:
+    g = p.add_argument_group("moe", "mixture of experts (Megatron-LM's flags; transformer/moe/)")
+    a = g.add_argument
+    a("--num-experts", type=int, default=None, help="experts per MoE layer (None: dense MLPs)")
+    a("--expert-model-parallel-size", type=int, default=1, help="expert-parallel ranks (experts split over them)")
+    a("--expert-tensor-parallel-size", type=int, default=None,
+      help="tensor-parallel ranks of each expert (None: --tensor-model-parallel-size)")
+    a("--moe-layer-freq", type=moe_layer_freq, default=1,
+      help="every N-th layer is MoE, or a pattern of 0/1 per layer such as '([1]*3+[0])*2'")
+    a("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (None: --ffn-hidden-size)")
+    a("--moe-router-topk", type=int, default=2, help="experts per token")
+    a("--moe-router-load-balancing-type", default="aux_loss",
+      help="aux_loss (per micro-batch), seq_aux_loss (per sequence) or none")
+    a("--moe-aux-loss-coeff", type=float, default=0.0, help="the load-balancing loss's coefficient")
+    a("--moe-z-loss-coeff", type=float, default=None, help="the router z-loss's coefficient")
+    a("--moe-router-score-function", default="softmax", help="softmax or sigmoid")
+    a("--moe-router-pre-softmax", action="store_true", help="softmax over every expert before the top-k")
+    a("--moe-router-topk-scaling-factor", type=float, default=None, help="scale of the top-k scores")
+    a("--moe-router-dtype", default=None, help="the router's dtype: fp32 or fp64 (None: the model's)")
+    a("--moe-router-enable-expert-bias", action="store_true",
+      help="auxiliary-loss-free balancing: a per-expert bias on the selection, updated each step")
+    a("--moe-router-bias-update-rate", type=float, default=1e-3, help="the expert bias's update rate")
+    a("--moe-router-num-groups", type=int, default=None, help="group-limited routing's groups (not supported)")
+    a("--moe-router-group-topk", type=int, default=None, help="group-limited routing's groups per token (not supported)")
+    a("--moe-input-jitter-eps", type=float, default=None, help="input jitter (not supported)")
+    a("--moe-token-dispatcher-type", default="allgather", help="allgather or alltoall")
+    a("--moe-grouped-gemm", action="store_true", help="one grouped GEMM for the local experts where available")
+    a("--moe-expert-capacity-factor", type=float, default=None, help="tokens per expert cap (None: dropless)")
+    a("--moe-token-drop-policy", default="probs", help="over capacity, drop by: probs or position")
+    a("--moe-pad-expert-input-to-capacity", action="store_true", help="pad each expert's tokens to its capacity")
+    a("--moe-shared-expert-intermediate-size", type=int, default=None, help="the shared expert's FFN size")
+    a("--moe-shared-expert-gate", action="store_true", help="a sigmoid gate on the shared expert's output (Qwen2)")
+    a("--moe-shared-expert-overlap", action="store_true", help="overlap the shared expert (not supported)")
+    a("--moe-permute-fusion", action="store_true", help="Transformer Engine's fused permutation (not supported)")
+    a("--moe-per-layer-logging", action="store_true", help="the aux losses of each layer (not supported)")
+
+
+def moe_layer_freq(text: str):
+    """--moe-layer-freq: an int, or a list of 0/1 written as Megatron-LM does ('[1,0,1]',
+    '([1]*3+[0]*1)*2'): list displays, ints, + and * only (evaluated without eval)."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+    try:
+        result = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or a list pattern such as '([1]*3+[0])*2'")
+    return result
 
 
 def _validation(p) -> None:

@@ -227,6 +227,7 @@ def _validate_parallel_and_batch(parser, args) -> None:
         parser.error(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by "
                      f"--tensor-model-parallel-size ({tp})")
     _validate_context_parallel(parser, args, tp, cp)
+    _validate_experts(parser, args, tp)
 
 
 def _validate_context_parallel(parser, args, tp: int, cp: int) -> None:
@@ -257,6 +258,31 @@ def _validate_context_parallel(parser, args, tp: int, cp: int) -> None:
     if args.num_distributed_optimizer_instances > 1:
         parser.error("--context-parallel-size > 1 with --num-distributed-optimizer-instances > 1 (HSDP) is not "
                      "supported: FSDP shards over the flattened data- and context-parallel ranks")
+
+
+def _validate_experts(parser, args, tp: int) -> None:
+    """Megatron-LM's rules for --expert-model-parallel-size and --expert-tensor-parallel-size (the MoE
+    fields' own rules are TransformerConfig's, reported in the flags' words)."""
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    for flag, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be a positive integer, got {value}")
+    if args.num_experts is None:
+        if ep > 1 or etp is not None:
+            parser.error("--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts")
+        return
+    if not args.disable_bias_linear:
+        parser.error("--num-experts needs --disable-bias-linear: mixture-of-experts layers have no biases here")
+    etp = tp if etp is None else etp
+    if args.world_size % (etp * ep) != 0:
+        parser.error(f"world size {args.world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+                     f"--expert-model-parallel-size {ep}")
+    if not args.use_torch_fsdp2:
+        parser.error("--num-experts needs --use-torch-fsdp2: the replicated layout (a copy of the model on every "
+                     "rank) is not supported with mixture-of-experts layers")
+    if ep > 1 and args.num_distributed_optimizer_instances > 1:
+        parser.error("--expert-model-parallel-size > 1 with --num-distributed-optimizer-instances > 1 (HSDP) is "
+                     "not supported: the experts shard over their whole data-parallel group")
 
 
 def _validate_schedule(parser, args) -> None:

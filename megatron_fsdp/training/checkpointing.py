@@ -505,7 +505,10 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attent
                       "kv_channels", "swiglu", "normalization", "position_embedding_type",
                       "untie_embeddings_and_output_weights", "disable_bias_linear", "max_position_embeddings",
                       "group_query_attention", "add_qkv_bias", "norm_epsilon", "rotary_base", "rotary_percent",
-                      "use_rope_scaling", "rope_scaling_factor")
+                      "use_rope_scaling", "rope_scaling_factor", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
+                      "moe_layer_freq", "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
+                      "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
+                      "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 # Flags a checkpoint also stores, which --use-checkpoint-args fills in only where the command line
 # leaves them out (as Megatron-LM's load_args_from_checkpoint does): not the architecture's.
 RUN_DEFAULT_ARGS = ("seq_length",)

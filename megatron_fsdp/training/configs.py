@@ -44,7 +44,7 @@ def core_transformer_config_from_args(args, config_class=None):
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, bf16=args.bf16, fp16=args.fp16,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
@@ -57,6 +57,9 @@ def core_transformer_config_from_args(args, config_class=None):
         persist_layer_norm=not args.no_persist_layer_norm,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        **_moe_fields(args),
     )
     if args.fp8 is not None:
         fields.update(fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
@@ -66,6 +69,14 @@ def core_transformer_config_from_args(args, config_class=None):
                       num_layers_at_start_in_bf16=args.num_layers_at_start_in_bf16,
                       num_layers_at_end_in_bf16=args.num_layers_at_end_in_bf16, fp8_param=args.fp8_param_gather)
     return (config_class or TransformerConfig)(**fields)
+
+
+def _moe_fields(args) -> dict:
+    """TransformerConfig's MoE fields: each --moe-* flag sets the field of the same name."""
+    if args.num_experts is None:
+        return {}
+    names = [f.name for f in dataclasses.fields(TransformerConfig) if f.name.startswith("moe_")]
+    return {"num_moe_experts": args.num_experts, **{n: getattr(args, n) for n in names if hasattr(args, n)}}
 
 
 def ddp_config_from_args(args) -> TorchFullyShardedDataParallelConfig:
@@ -143,7 +154,7 @@ def build_configs(args) -> TrainingConfigs:
 
 _IDENTIFIER = re.compile(r"(?<![-\w])[a-z][a-z0-9_]*(?![-\w])")  # not a part of --a-flag
 # Config fields whose flag has another name than the field.
-_FIELD_FLAGS = {"layernorm_epsilon": "norm_epsilon", "fp8_param": "fp8_param_gather",
+_FIELD_FLAGS = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts", "fp8_param": "fp8_param_gather",
                 "grad_reduce_in_fp32": "accumulate_allreduce_grads_in_fp32", "gated_linear_unit": "swiglu"}
 _CONFIG_FIELDS = {f.name for cls in (TransformerConfig, TorchFullyShardedDataParallelConfig, OptimizerConfig)
                   for f in dataclasses.fields(cls)}

@@ -2,8 +2,9 @@
 
 megatron_fsdp has one layer implementation: a spec names the layer class
 (TransformerLayer or a subclass of it) and, through `params`, the few layer
-choices Megatron's spec getters make (`qk_layernorm`, `normalization`). Those
-override the TransformerConfig for the layers built from the spec, as the
+choices Megatron's spec getters make (`qk_layernorm`, `normalization`, and with
+`num_experts` the mixture of experts: `num_moe_experts`, `moe_grouped_gemm`).
+Those override the TransformerConfig for the layers built from the spec, as the
 spec's submodules do in Megatron-Core.
 """
 
@@ -15,8 +16,16 @@ from typing import Optional
 
 from .transformer_layer import TransformerLayer
 
-# The config fields a spec may pin, and the values each accepts.
-SPEC_PARAMS = {"qk_layernorm": (True, False), "normalization": ("LayerNorm", "RMSNorm")}
+# The config fields a spec may pin, and the values each accepts (a tuple, or a test and its words).
+SPEC_PARAMS = {"qk_layernorm": (True, False), "normalization": ("LayerNorm", "RMSNorm"),
+               "num_moe_experts": (lambda n: isinstance(n, int) and not isinstance(n, bool) and n > 0,
+                                   "a positive int"),
+               "moe_grouped_gemm": (True, False)}
+
+
+def _accepts(name: str, value) -> bool:
+    allowed = SPEC_PARAMS[name]
+    return allowed[0](value) if callable(allowed[0]) else value in allowed
 
 
 @dataclasses.dataclass
@@ -56,8 +65,9 @@ def layer_class_from_spec(spec, where: str = "transformer_layer_spec") -> type:
         if name not in SPEC_PARAMS:
             raise NotImplementedError(
                 f"{where}: ModuleSpec param {name!r} is not supported; supported: {sorted(SPEC_PARAMS)}")
-        if value not in SPEC_PARAMS[name]:
-            raise ValueError(f"{where}: ModuleSpec param {name}={value!r}; allowed: {SPEC_PARAMS[name]}")
+        if not _accepts(name, value):
+            allowed = SPEC_PARAMS[name][1] if callable(SPEC_PARAMS[name][0]) else SPEC_PARAMS[name]
+            raise ValueError(f"{where}: ModuleSpec param {name}={value!r}; allowed: {allowed}")
     if not spec.params:
         return module
     return _layer_with_pinned_config(module, tuple(sorted(spec.params.items())))

@@ -11,6 +11,7 @@ from torch import nn
 from .attention import SelfAttention
 from .enums import AttnMaskType
 from .mlp import MLP
+from .moe.moe_config import is_moe_layer
 from .norms import build_norm
 from .utils import reject_unsupported_inputs
 from ..utils import triton_kernels_for
@@ -90,7 +91,12 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config, config.hidden_size, partial_grads=config.sequence_parallel)
         self.self_attention = SelfAttention(config, layer_number, AttnMaskType.causal)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, partial_grads=config.sequence_parallel)
-        self.mlp = MLP(config)
+        if is_moe_layer(config, layer_number):
+            from .moe.moe_layer import MoELayer  # NOTE: here: dense models do not import the MoE modules
+
+            self.mlp = MoELayer(config, layer_number=layer_number)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context=None, context_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,

@@ -14,8 +14,8 @@ from ...transformer.spec_utils import ModuleSpec, layer_class_from_spec
 from ...transformer.transformer_layer import TransformerLayer
 from ...utils import reject_unsupported
 
-__all__ = ["ModuleSpec", "get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec",
-           "layer_class_from_spec"]
+__all__ = ["ModuleSpec", "get_gpt_decoder_block_spec", "get_gpt_layer_local_spec",
+           "get_gpt_layer_with_transformer_engine_spec", "layer_class_from_spec"]
 
 
 def _layer_spec(where: str, *, num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
@@ -28,16 +28,18 @@ def _layer_spec(where: str, *, num_experts, moe_grouped_gemm, qk_layernorm, mult
     unknown = sorted(set(options) - set(known_off) - {"kitchen_attention_backend"})
     if unknown:
         raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")
-    checks = {
-        "num_experts": (num_experts, None, "mixture-of-experts layers are not supported"),
-        "moe_grouped_gemm": (moe_grouped_gemm, False, "mixture-of-experts layers are not supported"),
-        "multi_latent_attention": (multi_latent_attention, False, "multi-latent attention is not supported"),
-    }
+    checks = {"multi_latent_attention": (multi_latent_attention, False, "multi-latent attention is not supported")}
     checks.update({name: (options[name], False) for name in known_off if name in options})
     reject_unsupported(where, checks)
     params = {"qk_layernorm": bool(qk_layernorm)}
     if normalization is not None:
         params["normalization"] = normalization
+    if num_experts is not None:
+        # NOTE: the layer takes its MoE settings from the config; the spec pins the expert count and
+        # the GEMM choice, as Megatron's MoE submodules do. Which layers are MoE: moe_layer_freq.
+        params.update(num_moe_experts=num_experts, moe_grouped_gemm=bool(moe_grouped_gemm))
+    elif moe_grouped_gemm:
+        raise ValueError(f"{where}: moe_grouped_gemm=True needs num_experts")
     spec = ModuleSpec(module=TransformerLayer, params=params)
     layer_class_from_spec(spec, where)  # a bad normalization fails here
     return spec
@@ -62,3 +64,18 @@ def get_gpt_layer_with_transformer_engine_spec(num_experts: Optional[int] = None
     return _layer_spec("get_gpt_layer_with_transformer_engine_spec", num_experts=num_experts,
                        moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
                        multi_latent_attention=multi_latent_attention, fp8=fp8, **options)
+
+
+def get_gpt_decoder_block_spec(config, use_transformer_engine: bool = True, normalization: Optional[str] = None,
+                               qk_l2_norm: Optional[bool] = False, vp_stage: Optional[int] = None,
+                               pp_rank: Optional[int] = None) -> ModuleSpec:
+    """Megatron-Core's decoder-block spec for dense and MoE layers. Megatron returns one spec per
+    layer (dense or MoE by config.moe_layer_freq); our one layer class reads moe_layer_freq itself,
+    so this is one spec for every layer, pinning the config's expert count and GEMM choice."""
+    reject_unsupported("get_gpt_decoder_block_spec", {
+        "qk_l2_norm": (bool(qk_l2_norm), False), "vp_stage": (vp_stage, None, "there is no pipeline parallelism"),
+        "pp_rank": (pp_rank, None, "there is no pipeline parallelism")})
+    getter = get_gpt_layer_with_transformer_engine_spec if use_transformer_engine else get_gpt_layer_local_spec
+    extra = {} if use_transformer_engine or normalization is None else {"normalization": normalization}
+    return getter(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                  qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention, **extra)

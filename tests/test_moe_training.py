@@ -1,0 +1,53 @@
+"""Mixture of experts through the training stack: Megatron-LM's MoE flags (one line each for a bad
+one, before any work), their configs."""
+
+import pytest
+
+from test_usage_errors import _parse
+
+MOE = ["--use-torch-fsdp2", "--disable-bias-linear", "--swiglu", "--num-experts", "4"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-torch-fsdp2", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size and --expert-tensor-parallel-size need --num-experts"),
+    (["--disable-bias-linear", "--num-experts", "4"], "--num-experts needs --use-torch-fsdp2"),
+    ([*MOE, "--expert-model-parallel-size", "3"],
+     "world size 4 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 3"),
+    ([*MOE, "--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be a positive integer, got 0"),
+    (["--use-torch-fsdp2", "--disable-bias-linear", "--num-experts", "6", "--expert-model-parallel-size", "4"],
+     "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
+    (["--use-torch-fsdp2", "--num-experts", "4"], "--num-experts needs --disable-bias-linear"),
+    ([*MOE, "--moe-router-topk", "1"], "--moe-router-topk=1 with softmax scores needs --moe-router-pre-softmax=True"),
+    ([*MOE, "--moe-router-load-balancing-type", "sinkhorn"],
+     "--moe-router-load-balancing-type='sinkhorn' is not supported (one of 'aux_loss', 'seq_aux_loss', 'none')"),
+    ([*MOE, "--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type='flex' is not supported"),
+    ([*MOE, "--moe-layer-freq", "[1]*3"], "--moe-layer-freq as a pattern needs one 0 (dense) or 1 (MoE) per layer (2)"),
+    ([*MOE, "--moe-layer-freq", "__import__('os')"], "is not an int or a list pattern"),
+    ([*MOE, "--tensor-model-parallel-size", "2"],
+     "mixture-of-experts layers with --tensor-model-parallel-size > 1 need --sequence-parallel=True"),
+    ([*MOE, "--moe-router-group-topk", "2"], "group-limited routing is not supported"),
+    ([*MOE, "--moe-shared-expert-gate"], "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
+    ([*MOE, "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias (aux-loss-free balancing) needs --moe-router-score-function='sigmoid'"),
+])
+def test_bad_moe_flags_are_one_line_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(*flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_moe_flags_make_the_config_megatron_lm_makes():
+    args = _parse(*MOE, "--moe-layer-freq", "([1]*1+[0]*1)*1", "--moe-router-topk", "2",
+                  "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type",
+                  "alltoall", "--expert-model-parallel-size", "2", "--moe-shared-expert-intermediate-size", "64",
+                  "--moe-shared-expert-gate", "--moe-router-dtype", "fp32", "--moe-grouped-gemm")
+    config = args.configs.model
+    assert (config.num_moe_experts, config.moe_layer_freq, config.moe_router_topk) == (4, [1, 0], 2)
+    assert (config.moe_aux_loss_coeff, config.moe_z_loss_coeff) == (0.01, 0.001)
+    assert (config.moe_token_dispatcher_type, config.expert_model_parallel_size) == ("alltoall", 2)
+    assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate) == (64, True)
+    assert (config.moe_router_dtype, config.moe_grouped_gemm) == ("fp32", True)
+    assert config.moe_ffn_hidden_size == config.ffn_hidden_size  # Megatron's default
+    assert config.expert_tensor_parallel_size is None  # the dense TP size (1)
