@@ -1,6 +1,8 @@
 """Mixture of experts through the training stack: Megatron-LM's MoE flags (one line each for a bad
 one, before any work), their configs."""
 
+import re
+
 import pytest
 
 from test_usage_errors import _parse
@@ -51,3 +53,49 @@ def test_moe_flags_make_the_config_megatron_lm_makes():
     assert (config.moe_router_dtype, config.moe_grouped_gemm) == ("fp32", True)
     assert config.moe_ffn_hidden_size == config.ffn_hidden_size  # Megatron's default
     assert config.expert_tensor_parallel_size is None  # the dense TP size (1)
+
+
+# ---------------------------------------------------------------- pretrain() with experts
+
+# test_training's GPT (2 layers, SwiGLU, GQA, RoPE) with 4 experts of top-2 in every layer, the
+# auxiliary and z losses on; the vocabulary padded alike at TP 1 and 2.
+EXPERTS = ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+           "--moe-z-loss-coeff", "1e-3", "--make-vocab-size-divisible-by", "32", "--train-iters", "4",
+           "--eval-iters", "0"]
+MOE_LINE = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([\d.E+-]+) \|.*load_balancing_loss: ([\d.E+-]+) \|"
+                      r".*z_loss: ([\d.E+-]+) \|")
+
+
+def _losses(job) -> dict[int, tuple[float, float, float]]:
+    return {int(m[1]): (float(m[2]), float(m[3]), float(m[4])) for m in map(MOE_LINE.search, job.stdout.splitlines())
+            if m}
+
+
+@pytest.fixture(scope="module")
+def one_process(pools):
+    from test_training import _pretrain
+
+    return _losses(_pretrain(pools, 1, *EXPERTS))
+
+
+@pytest.mark.slow  # pretrain() jobs in the worker pool
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("world,layout,flags", [
+    (2, "expert-parallel 2", ["--expert-model-parallel-size", "2"]),  # EP 2 (DP 2)
+    (4, "expert-parallel 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--expert-model-parallel-size", "2"]),  # TP 2 + SP x EP 2 (expert TP 2)
+    (4, "expert-parallel 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
+    (4, "expert-parallel 2", ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),  # EP 2 x CP 2
+])
+def test_pretrain_with_experts_repeats_one_process(pools, one_process, dispatcher, world, layout, flags):
+    """The same losses (the language model's and the routers' auxiliary ones), step for step, as
+    the one-process run: experts split over EP ranks, FSDP over the expert-data-parallel ranks."""
+    from test_training import _pretrain
+
+    job = _pretrain(pools, world, *EXPERTS, *flags, "--moe-token-dispatcher-type", dispatcher)
+    assert layout in job.stdout, job.stdout[-2000:]
+    got = _losses(job)
+    assert sorted(one_process) == [1, 2, 3, 4] and got.keys() == one_process.keys(), (got, one_process)
+    for iteration, expected in one_process.items():
+        assert got[iteration] == pytest.approx(expected, rel=1e-5), (iteration, got, one_process)

@@ -218,6 +218,8 @@ def initialize_megatron(args) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         # The wrapper's (training/configs.py): the flag's value, or every rank one when replicated.
         num_distributed_optimizer_instances=args.configs.ddp.num_distributed_optimizer_instances)

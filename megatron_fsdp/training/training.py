@@ -137,9 +137,14 @@ def _pretrain_with(args, dataset_provider, model_provider, model_type, forward_s
     true_vocab_size = setup_tokenizer(args)
     cp = (f"context-parallel {args.context_parallel_size} ({args.cp_comm_type}) x "
           if args.context_parallel_size > 1 else "")
+    experts = ""
+    if args.num_experts is not None:
+        experts = (f"; {args.num_experts} experts: expert-parallel {parallel_state.get_expert_model_parallel_world_size()}"
+                   f" x expert-tensor-parallel {parallel_state.get_expert_tensor_parallel_world_size()} x "
+                   f"expert-data-parallel {parallel_state.get_expert_data_parallel_world_size()}")
     print_rank_last(f"> world size {args.world_size}: tensor-parallel {args.tensor_model_parallel_size} x {cp}"
                     f"data-parallel {parallel_state.get_data_parallel_world_size()} on "
-                    f"{parallel_state.get_device_type()}")
+                    f"{parallel_state.get_device_type()}{experts}")
     beacon.mark("model and optimizer construction")
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type, args=args,
                                                                       true_vocab_size=true_vocab_size, beacon=beacon)
