@@ -5,8 +5,6 @@ out-of-memory snapshot on a stand-in for CUDA's. The Flight Recorder trace of a 
 stuck-rank test's (tests/test_training_faults.py); the GPU halves are scripts/gpu_check.sh's
 `profiling` step."""
 
-import glob
-import json
 import os
 import pickle
 import re
@@ -20,6 +18,7 @@ import torch
 from megatron_fsdp import _torch_compat
 from megatron_fsdp.training import profiling
 from pretrain_in_pool import pretrain_gpt_job
+from profiling_outputs import profiler_steps, trace_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([\d.E+-]+) \|")
@@ -69,12 +68,12 @@ def test_the_readmes_profiled_run_traces_its_iterations_on_rank_zero_and_trains_
 
     losses = [{int(m[1]): m[2] for m in map(LOSS.search, out.splitlines()) if m} for out in (profiled, plain)]
     assert sorted(losses[0]) == list(range(1, 7)) and losses[0] == losses[1], losses
-    (path,) = glob.glob(str(traces / "*"))   # one file: rank 0's, nothing half-written beside it
-    assert re.fullmatch(r"rank0\.\d+\.pt\.trace\.json", os.path.basename(path)), path
-    assert f"> [rank 0] torch profiler trace of iterations {start}-{end - 1} written to {path}" in profiled
-    with open(path) as f:
-        names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
-    assert {n for n in names if n.startswith("ProfilerStep#")} == {f"ProfilerStep#{i}" for i in range(start, end)}
+    files, events = trace_events(str(traces))
+    assert len(files) == 1, files   # rank 0's alone, nothing half-written beside it
+    assert re.fullmatch(r"rank0\.\d+\.pt\.trace\.json", os.path.basename(files[0])), files
+    assert f"> [rank 0] torch profiler trace of iterations {start}-{end - 1} written to {files[0]}" in profiled
+    assert profiler_steps(events) == [f"ProfilerStep#{i}" for i in range(start, end)]
+    names = {event.get("name", "") for event in events}
     assert {"aten::mm", "aten::addmm"} & names and len({n for n in names if n.startswith("aten::")}) > 30
     assert set(profiling.PHASES) <= names, sorted(names)
     assert {"FSDP::all_gather", "FSDP::post_backward_reduce"} <= names

@@ -111,19 +111,33 @@ def timed(config, name: str, log_level: int = 1):
             timer.stop()
 
 
-class _RecordFunctionRanges:
-    """Named ranges in the torch profiler's trace (`record_function`)."""
+class _Ranges:
+    """The phases' ranges of one window: `record_function` scopes (the torch profiler's trace) or
+    NVTX ranges (Nsight Systems). `close()` ends those an error left open."""
 
-    def __init__(self):
-        self.open: dict[str, list] = {}
+    def __init__(self, nvtx: bool):
+        self.nvtx = nvtx
+        self.open: list = []  # NOTE: ranges nest (the timers' phases do): the last opened closes first
 
     def push(self, name: str) -> None:
-        scope = torch.profiler.record_function(name)
-        scope.__enter__()
-        self.open.setdefault(name, []).append(scope)
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(name)
+            self.open.append(name)
+        else:
+            scope = torch.profiler.record_function(name)
+            scope.__enter__()
+            self.open.append(scope)
 
-    def pop(self, name: str) -> None:
-        self.open[name].pop().__exit__(None, None, None)
+    def pop(self, name: str = "") -> None:
+        scope = self.open.pop()
+        if self.nvtx:
+            torch.cuda.nvtx.range_pop()
+        else:
+            scope.__exit__(None, None, None)
+
+    def close(self) -> None:
+        while self.open:
+            self.pop()
 
 
 class StepProfiler:
@@ -140,7 +154,7 @@ class StepProfiler:
         self.profiled = args.profile and self.rank in args.profile_ranks
         self.torch_profiler = None
         self.marking = None  # the emit_nvtx context while Nsight Systems' window is open
-        self.config = self.saved_timers = None
+        self.config = self.saved_timers = self.ranges = None
         self.memory = args.record_memory_history and self.cuda
         self.snapshot_written = False
         self._say_what_a_cpu_run_does_not_do()
@@ -197,8 +211,12 @@ class StepProfiler:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        oom = self.oom_error(exc) if exc is not None else None
-        self.close()
+        if exc is None:
+            self.close()
+            return False
+        oom = self.oom_error(exc)
+        with contextlib.suppress(Exception):  # the job's own error is the one to report
+            self.close()
         if oom is not None:
             raise oom from exc
         return False
@@ -206,25 +224,23 @@ class StepProfiler:
     # ------------------------------------------------------------------ the window
 
     def _open_window(self) -> None:
-        if self.args.use_pytorch_profiler:
-            ranges = _RecordFunctionRanges()
-            push, pop = ranges.push, ranges.pop
-        elif self.cuda:
+        if not self.args.use_pytorch_profiler:
+            if not self.cuda:
+                return  # a CPU run: said once at start-up
             torch.cuda.profiler.start()  # cudaProfilerStart: nsys --capture-range=cudaProfilerApi starts here
             self.marking = torch.autograd.profiler.emit_nvtx(record_shapes=self.args.pytorch_profiler_collect_shapes)
             self.marking.__enter__()
-            push, pop = (lambda name: torch.cuda.nvtx.range_push(name)), (lambda name: torch.cuda.nvtx.range_pop())
             print(f"> [rank {self.rank}] --profile: iterations {self.window_start}-{self.window_end - 1} marked for "
                   "Nsight Systems (cudaProfilerStart/Stop, NVTX ranges)", flush=True)
-        else:
-            return  # a CPU run: said once at start-up
+        self.ranges = _Ranges(nvtx=not self.args.use_pytorch_profiler)
         self.saved_timers = (getattr(self.config, "timers", None),)
-        self.config.timers = PhaseRanges(push, pop, inner=self.saved_timers[0])
+        self.config.timers = PhaseRanges(self.ranges.push, self.ranges.pop, inner=self.saved_timers[0])
 
     def _close_window(self) -> None:
         if self.saved_timers is not None:
             self.config.timers = self.saved_timers[0]
             self.saved_timers = None
+            self.ranges.close()
         if self.marking is not None:
             self.marking.__exit__(None, None, None)
             self.marking = None
@@ -262,7 +278,10 @@ class StepProfiler:
         and the error again with the snapshot's path in its first line; else None."""
         if not self.memory or not isinstance(exc, torch.OutOfMemoryError):
             return None
-        path = write_memory_snapshot(oom_snapshot_path(self.args.memory_snapshot_path, self.rank))
+        try:
+            path = write_memory_snapshot(oom_snapshot_path(self.args.memory_snapshot_path, self.rank))
+        except Exception:  # (no room for it either): the error as it was
+            return None
         first, _, rest = str(exc).partition("\n")
         return torch.OutOfMemoryError(f"memory snapshot at the error written to {path}: {first}"
                                       + (f"\n{rest}" if rest else ""))
