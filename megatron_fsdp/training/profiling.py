@@ -155,6 +155,7 @@ class StepProfiler:
         self.torch_profiler = None
         self.marking = None  # the emit_nvtx context while Nsight Systems' window is open
         self.config = self.saved_timers = self.ranges = None
+        self.profiled_iterations: list[int] = []  # those of the window this run reached, on this rank
         self.memory = args.record_memory_history and self.cuda
         self.snapshot_written = False
         self._say_what_a_cpu_run_does_not_do()
@@ -188,9 +189,10 @@ class StepProfiler:
     def step_begin(self, iteration: int) -> None:
         if self.torch_profiler is not None:
             self.torch_profiler.step()  # as Megatron-LM: at the top of every iteration
-        if self.profiled and self.window_start <= iteration < self.window_end and self.config is not None \
-                and self.saved_timers is None:
-            self._open_window()
+        if self.profiled and self.window_start <= iteration < self.window_end:
+            self.profiled_iterations.append(iteration)
+            if self.config is not None and self.saved_timers is None:
+                self._open_window()
 
     def step_end(self, iteration: int) -> None:
         if iteration == self.window_end - 1:
@@ -268,8 +270,9 @@ class StepProfiler:
         directory = self.args.profile_dir or self.args.tensorboard_dir
         path = os.path.join(directory, f"rank{self.rank}.{time.time_ns()}.pt.trace.json")
         write_whole(path, profiler.export_chrome_trace)
-        print(f"> [rank {self.rank}] torch profiler trace of iterations {self.window_start}-{self.window_end - 1} "
-              f"written to {path}", flush=True)
+        seen = self.profiled_iterations
+        what = f"iterations {seen[0]}-{seen[-1]}" if seen else "no iteration (the run ended before the window)"
+        print(f"> [rank {self.rank}] torch profiler trace of {what} written to {path}", flush=True)
 
     # ------------------------------------------------------------------ out of memory
 
