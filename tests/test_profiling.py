@@ -243,3 +243,26 @@ def test_a_file_is_written_whole_or_not_at_all(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         write_whole(str(tmp_path / "trace.json"), fails)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("done, train_iters, traced, steps", [
+    (0, 3, "2-3", ["ProfilerStep#2", "ProfilerStep#3"]),   # the run ends inside the window: cut there
+    # Resumed inside it: torch counts the run's own steps, from the profiler's start before the first
+    # iteration (step 0, already in the window: recorded, and empty).
+    (3, 8, "4-5", ["ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]),
+])
+def test_a_window_cut_by_the_run_traces_what_it_reached(tmp_path, capsys, done, train_iters, traced, steps):
+    """The loop's calls in this process (one rank, no group), window 2-5, a matmul per iteration."""
+    args = _args(profile=True, use_pytorch_profiler=True, profile_step_end=6, profile_dir=str(tmp_path),
+                 train_iters=train_iters)
+    x = torch.randn(8, 8)
+    with profiling.StepProfiler(args) as profiler:
+        profiler.begin(_Config(), done)
+        for iteration in range(done + 1, train_iters + 1):
+            profiler.step_begin(iteration)
+            x = x @ x / 8
+            profiler.step_end(iteration)
+        profiler.end()
+    files, events = trace_events(str(tmp_path))
+    assert profiler_steps(events) == steps and "aten::mm" in {e.get("name") for e in events}
+    assert capsys.readouterr().out == f"> [rank 0] torch profiler trace of iterations {traced} written to {files[0]}\n"
