@@ -71,8 +71,13 @@ PRIVATE_NAMES = {
     "torch:_foreach_mul_": ALL,
     "torch:_amp_foreach_non_finite_check_and_unscale_": ALL,
     "torch._C:_cuda_getArchFlags": ALL,
+    "torch.cuda.memory:_record_memory_history": ALL,
+    "torch.cuda.memory:_snapshot": ALL,
+    "torch._C._distributed_c10d:_dump_fr_trace": ALL,
+    "torch._C._distributed_c10d:_dump_nccl_trace": ALL,
 }
-CUDA_BUILD_ONLY = {"torch._C:_cuda_getArchFlags"}  # absent from CPU builds of torch (cuda_arch_flags)
+# Absent from CPU builds of torch: cuda_arch_flags, and NCCL's Flight Recorder (flight_recorder_trace).
+CUDA_BUILD_ONLY = {"torch._C:_cuda_getArchFlags", "torch._C._distributed_c10d:_dump_nccl_trace"}
 
 # On DTensors, DeviceMeshes, FSDP2's FSDPParam (per parameter) and its module state; read at run time.
 FSDP_PRIVATE_ATTRIBUTES = {
@@ -486,3 +491,34 @@ def is_extra_state_placeholder(value) -> bool:
     from torch.distributed.checkpoint.state_dict import _EXTRA_STATE
 
     return isinstance(value, _EXTRA_STATE)
+
+
+# ------------------------------------------------------------------ memory history and the Flight Recorder
+
+def record_cuda_memory_history(max_entries: int) -> None:
+    """Record the CUDA caching allocator's history from now on (`cuda.memory._record_memory_history`,
+    the same arguments 2.11-2.14): every allocation and free with its Python and C++ stack, the
+    newest `max_entries` kept; what `cuda_memory_snapshot()` returns and pytorch.org/memory_viz draws."""
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=max_entries)
+
+
+def stop_cuda_memory_history() -> None:
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def cuda_memory_snapshot() -> dict:
+    """The allocator's segments and the recorded history (`cuda.memory._snapshot`): the object
+    `torch.cuda.memory._dump_snapshot` pickles and the memory_viz page loads."""
+    return torch.cuda.memory._snapshot()
+
+
+def flight_recorder_trace(backend: str) -> Optional[bytes]:
+    """This process's Flight Recorder record of `backend`'s collectives as torch dumps it on a
+    timeout (a pickle that `python -m torch.distributed.flight_recorder.fr_trace` reads), or None
+    where this torch keeps none for it. Two recorders: NCCL's own (`_distributed_c10d._dump_nccl_trace`,
+    CUDA builds) and the generic one every other backend, gloo included, records into
+    (`_dump_fr_trace`, torch >= 2.8)."""
+    from torch._C import _distributed_c10d
+
+    dump = getattr(_distributed_c10d, "_dump_nccl_trace" if backend == "nccl" else "_dump_fr_trace", None)
+    return None if dump is None else dump()

@@ -24,7 +24,9 @@
 #   build; tests (the CUDA kernel tests, the torch-compatibility pins, the FSDP
 #   copy-kernel tests, the CUDA offload tests); main_job_bf16, main_job_fp8
 #   (examples/pretrain_gpt.py on every GPU: save, --exit-interval exit, resume to
-#   the end); bench_e2e, bench_gpt_fp8 (the figures earlier issues owe); bench_checkpoint
+#   the end); bench_e2e, bench_gpt_fp8 (the figures earlier issues owe); profiling (the profiling
+#   flags on one GPU: a torch profiler trace, memory snapshots at the window's end and at a forced
+#   out-of-memory error, --profile's Nsight Systems marks, under nsys when installed); bench_checkpoint
 #   (the stall of a sync and an async checkpoint save); bench_context_parallel (activation
 #   memory and step time per rank at CP 1, 2, 4 ... on every GPU); the kernel micro-benchmarks
 #   bench_activations, bench_copy_in, bench_amax; copy_out_reference.
@@ -62,8 +64,8 @@ E2E_S="${GPU_CHECK_E2E_S:-110}"
 # main job, the figures earlier issues owe (bench_e2e, bench_gpt_fp8), the async checkpoint save's
 # (bench_checkpoint: no GPU figure yet), context parallelism's (bench_context_parallel: none yet),
 # the kernel micro-benchmarks and torch's copy-out on a transposed output (recorded, not judged).
-ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_checkpoint bench_context_parallel
-  bench_activations bench_copy_in bench_amax copy_out_reference)
+ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 profiling bench_checkpoint
+  bench_context_parallel bench_activations bench_copy_in bench_amax copy_out_reference)
 # Seconds each step is expected to take: a step starts only when they fit into what is left.
 # What each took on the last GPU it ran on (one H100 80GB, torch 2.11, CUDA 13.0, a cold compile
 # cache, 2026-11-27; BENCHMARKS.md, "GPU run of 2026-11-27"), and the margin in its figure:
@@ -81,6 +83,9 @@ ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_
 #                       compiled arm ~30 (compilation), a pretrain arm (a torchrun launch) ~25: ~105
 #   bench_gpt_fp8       never to its end on the H100 (it died in its profile, since fixed); on the
 #                       H200 of 2026-11-26 (no profile yet) the whole run with it took 223 s -> 45
+#   profiling           never run on a GPU. Assumed: two launches of a 2-layer GPT on one GPU (a
+#                       torchrun start, torch, CUDA ~10 s, 6 short iterations, a trace export ~2 s),
+#                       the second under nsys when installed (+5 s) -> 40
 #   bench_checkpoint    never run on a GPU (on the CPU, its default 3.7M-parameter GPT, 5 rounds:
 #                       10-28 s). Assumed: start-up (torch, CUDA, NCCL, the model) ~10 s; the GPT
 #                       below (84M parameters: 1.0 GB of fp32 weights and AdamW state per save)
@@ -98,12 +103,12 @@ ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 bench_
 #                       add and cross-entropy cases added since), 20, 20
 #   copy_out_reference  a Python start and 1 s on the GPU -> 10
 # No margin is left for the main jobs: build to bench_gpt_fp8 expect 410 of the 420 s, ~10 s left
-# for the preconditions (nvidia-smi, one torch import). bench_checkpoint, bench_context_parallel and
-# the micro-benchmarks run when the steps before them are quicker than expected (on the last
-# measured timings, 388 s to the end of bench_gpt_fp8: bench_checkpoint fits, the others do not),
-# or with a larger budget (all the steps expect 600 s).
+# for the preconditions (nvidia-smi, one torch import). profiling, bench_checkpoint,
+# bench_context_parallel and the micro-benchmarks run when the steps before them are quicker than
+# expected (on the last measured timings, 388 s to the end of bench_gpt_fp8: bench_checkpoint fits,
+# the others do not), or with a larger budget (all the steps expect 640 s).
 declare -A EXPECT_S=([build]=70 [tests]=85 [main_job_bf16]=50 [main_job_fp8]=50 [bench_e2e]=$E2E_S
-  [bench_gpt_fp8]=45 [bench_checkpoint]=30 [bench_context_parallel]=60 [bench_activations]=50 [bench_copy_in]=20
+  [bench_gpt_fp8]=45 [profiling]=40 [bench_checkpoint]=30 [bench_context_parallel]=60 [bench_activations]=50 [bench_copy_in]=20
   [bench_amax]=20 [copy_out_reference]=10)
 read -r -a SELECTED <<<"${GPU_CHECK_STEPS:-${ALL_STEPS[*]}}"
 SELECTED=(${SELECTED[@]//,/ })
@@ -375,6 +380,48 @@ print("[gpu_check] torch's CUDA split_with_sizes_copy on a transposed output: "
       + ("strided, as on the CPU" if right else "written as if contiguous (not a reference for ours)"))
 PYEOF
   grep '^\[gpu_check\]' "$OUT_DIR/copy_out_reference.log" >&2
+}
+
+# ---- the profiling flags on one GPU (training/profiling.py; the CPU half is tests/test_profiling.py) ----
+# 1. --use-pytorch-profiler over iterations 2-3 with --record-memory-history, and rank 0 out of
+#    memory before iteration 5 (tests/pretrain_with_faults.py): a trace with CUDA kernels, the
+#    window's snapshot and the error's, each loaded by torch's memory_viz, and the error's one line
+#    naming its snapshot. 2. --profile alone: cudaProfilerStart/Stop and NVTX ranges, under
+#    `nsys profile --capture-range=cudaProfilerApi` when nsys is installed (its NVTX summary must
+#    hold the step's phases and FSDP2's all-gather), else a plain run that says what it marked.
+profiling() {
+  local dir="$OUT_DIR/profiling" limit rc=0
+  local flags=(--use-torch-fsdp2 --bf16 --num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256
+    --max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --train-iters 6 --mock-data
+    --vocab-size 1024 --log-interval 1 --eval-iters 0 --profile --profile-step-start 2 --profile-step-end 4)
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  limit="$(left 20)"   # the Nsight Systems run's share: 20 s
+  echo "[gpu_check] profiling.torch (limit ${limit}s)" >&2
+  MEGATRON_FSDP_FAULT=oom FAULT_RANK=0 FAULT_ITERATION=5 timeout "$limit" "$PY" -m torch.distributed.run \
+    --nproc-per-node 1 tests/pretrain_with_faults.py "${flags[@]}" --use-pytorch-profiler --profile-dir "$dir/traces" \
+    --record-memory-history --memory-snapshot-path "$dir/snapshot.pickle" >"$OUT_DIR/profiling.torch.log" 2>&1 || rc=$?
+  [ "$rc" != 0 ] || fail "the run that runs out of memory before iteration 5 ended well (log: $OUT_DIR/profiling.torch.log)"
+  "$PY" tests/profiling_outputs.py "$dir" "$OUT_DIR/profiling.torch.log" >"$OUT_DIR/profiling.check.txt" 2>&1 ||
+    fail "$(tail -n 1 "$OUT_DIR/profiling.check.txt")"
+  grep '^\[gpu_check\]' "$OUT_DIR/profiling.check.txt" >&2
+  local launch=("$PY" -m torch.distributed.run --nproc-per-node 1 examples/pretrain_gpt.py "${flags[@]}")
+  if command -v nsys >/dev/null; then
+    run_logged profiling.nsys "$(left)" nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi \
+      --capture-range-end=stop --force-overwrite true -o "$dir/nsys" "${launch[@]}"
+    nsys stats --report nvtx_sum "$dir/nsys.nsys-rep" >"$OUT_DIR/profiling.nvtx.txt" 2>&1 ||
+      nsys stats --report nvtxsum "$dir/nsys.nsys-rep" >"$OUT_DIR/profiling.nvtx.txt" 2>&1 ||
+      fail "nsys stats could not read $dir/nsys.nsys-rep (log: $OUT_DIR/profiling.nvtx.txt)"
+    for range in forward-compute backward-compute optimizer "FSDP::all_gather"; do
+      grep -q -- "$range" "$OUT_DIR/profiling.nvtx.txt" || fail "no NVTX range $range (log: $OUT_DIR/profiling.nvtx.txt)"
+    done
+  else
+    run_logged profiling.nsys "$(left)" "${launch[@]}"
+  fi
+  grep -q "iterations 2-3 marked for Nsight Systems" "$OUT_DIR/profiling.nsys.log" ||
+    fail "--profile did not mark iterations 2-3 (log: $OUT_DIR/profiling.nsys.log)"
+  echo "[gpu_check] torch profiler, memory snapshots, Nsight Systems marks$(command -v nsys >/dev/null &&
+    echo ' (NVTX ranges checked in nsys)' || echo ' (no nsys: not checked inside one)')" >&2
 }
 
 # ---- 5. benchmarks: JSON lines into $OUT_DIR/*.jsonl ----

@@ -1,7 +1,8 @@
 """examples/pretrain_gpt.py with one injected fault, for tests/test_training_faults.py.
 
     torchrun ... tests/pretrain_with_faults.py <pretrain_gpt flags>
-    MEGATRON_FSDP_FAULT=nan|signal|stall|kill_in_save  FAULT_RANK=r  FAULT_ITERATION=k  [FAULT_SECONDS=s]  [FAULT_DIR=d]
+    MEGATRON_FSDP_FAULT=nan|signal|stall|kill_in_save|oom  FAULT_RANK=r  FAULT_ITERATION=k  [FAULT_SECONDS=s]
+    [FAULT_DIR=d]
 
 nan: rank r's embedding output becomes NaN in iteration k. stall: rank r
 sleeps s seconds before iteration k (a stuck rank). signal: after iteration
@@ -11,7 +12,8 @@ seen a SIGTERM: the test signals the job from outside (a rank, torchrun, or
 every process group) while the ranks wait, then lets them go on. kill_in_save:
 the checkpoint of iteration k is written slowly (s seconds per file, every
 rank), and rank r kills itself (SIGKILL) once it wrote its first file: with
---async-save, a kill -9 in the middle of a background write. The script
+--async-save, a kill -9 in the middle of a background write. oom: rank r asks
+CUDA for 256 TiB before iteration k (a real out-of-memory error; scripts/gpu_check.sh). The script
 and the package are untouched: the fault wraps
 megatron_fsdp.training.training.train_step and the example's model_provider,
 for the job only (`injected`), so a worker pool's rank can run one as a case
@@ -25,6 +27,8 @@ import signal
 import sys
 import threading
 import time
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -66,6 +70,8 @@ def injected(fault: str, rank: int, at_iteration: int, seconds: float = 0.0, dir
         current["iteration"] = iteration + 1  # train_step's argument counts the iterations already done
         if fault == "stall" and here and current["iteration"] == at_iteration:
             time.sleep(seconds)
+        if fault == "oom" and here and current["iteration"] == at_iteration:
+            torch.empty(1 << 48, dtype=torch.uint8, device="cuda")
         result = original_train_step(*args, iteration=iteration, **kwargs)
         if fault == "signal" and current["iteration"] == at_iteration:
             wait_for_signal(directory)

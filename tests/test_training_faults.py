@@ -8,6 +8,7 @@ run, the resume, the NaN run with the check off) runs in the worker pool."""
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -228,7 +229,9 @@ def test_kill_9_of_a_rank_during_a_background_write_keeps_the_previous_checkpoin
 
 @pytest.mark.e2e
 def test_a_stuck_rank_is_named_when_the_collective_times_out(tmp_path):
+    traces = tmp_path / "traces"
     proc, elapsed = _run("tests/pretrain_with_faults.py", "--train-iters", "4", "--distributed-timeout-minutes", "0.1",
+                         "--flight-recorder-dir", str(traces),
                          fault=dict(MEGATRON_FSDP_FAULT="stall", FAULT_RANK=1, FAULT_ITERATION=2, FAULT_SECONDS=60))
     assert proc.returncode != 0
     # Rank 0 times out, naming itself and the stuck rank.
@@ -238,3 +241,10 @@ def test_a_stuck_rank_is_named_when_the_collective_times_out(tmp_path):
                                          "'iteration 2: "), line
     assert "rank 1 at 'iteration 1: " in line, line
     assert elapsed < 55, f"the stuck job took {elapsed:.0f} s to fail"
+    # ... and leaves its Flight Recorder trace where the line says (gloo's record, torch >= 2.8): the
+    # collectives of each of its groups, the one it waited in among them.
+    assert line.endswith(f"; this rank's Flight Recorder trace (its last collectives): {traces}/rank_0"), line
+    assert sorted(os.listdir(traces)) == ["rank_0"]   # rank 1 never timed out: torchrun ended it
+    with open(traces / "rank_0", "rb") as f:
+        entries = pickle.load(f)["entries"]
+    assert entries and all(e["profiling_name"].startswith("gloo:") for e in entries), entries[-3:]

@@ -13,7 +13,7 @@ import argparse
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> None:
     for add in (_network_size, _regularization, _initialization, _training, _fusion, _learning_rate,
                 _checkpointing, _mixed_precision, _fp8, _distributed, _moe, _validation, _data, _tokenizer,
-                _logging):
+                _logging, _profiling):
         add(parser)
 
 
@@ -214,6 +214,13 @@ def _distributed(p) -> None:
     a("--overlap-param-gather", action="store_true", help="overlap parameter all-gathers (always so under FSDP)")
     a("--distributed-backend", choices=["nccl", "gloo"], default=None, help="None: nccl with GPUs, else gloo")
     a("--distributed-timeout-minutes", type=float, default=10, help="collective timeout")
+    # Not Megatron flags: torchtitan's comm.trace_buf_size and save_traces_folder (training/flight_recorder.py).
+    a("--flight-recorder-dir", default=None,
+      help="where each rank's Flight Recorder trace goes on a collective timeout, as <dir>/rank_<rank> (None: "
+           "$TORCH_FR_DUMP_TEMP_FILE's prefix if set, else comm_traces/; not Megatron's)")
+    a("--flight-recorder-buffer-size", type=int, default=None,
+      help="collectives the Flight Recorder keeps per process (TORCH_FR_BUFFER_SIZE; None: torch's default; "
+           "0: off; not Megatron's)")
 
 
 def _moe(p) -> None:
@@ -336,3 +343,27 @@ def _logging(p) -> None:
     a("--wandb-project", default=None, help="Weights & Biases project")
     a("--wandb-exp-name", default=None, help="Weights & Biases run name")
     a("--wandb-save-dir", default=None, help="Weights & Biases directory")
+
+
+def _profiling(p) -> None:
+    # Megatron-LM's flags (training/profiling.py); iterations are numbered as in the log line.
+    g = p.add_argument_group("profiling")
+    a = g.add_argument
+    a("--profile", action="store_true",
+      help="profile iterations --profile-step-start..--profile-step-end - 1: for Nsight Systems (cudaProfilerStart/"
+           "Stop and NVTX ranges; run under `nsys profile --capture-range=cudaProfilerApi`), or with "
+           "--use-pytorch-profiler the torch profiler")
+    a("--use-pytorch-profiler", action="store_true",
+      help="with --profile: the torch profiler, one trace per profiled rank (TensorBoard's format)")
+    a("--profile-step-start", type=int, default=10, help="first profiled iteration")
+    a("--profile-step-end", type=int, default=12, help="the iteration after the last profiled one")
+    a("--profile-ranks", nargs="+", type=int, default=[0], help="global ranks to profile")
+    a("--pytorch-profiler-collect-shapes", action="store_true", help="record the operators' input shapes")
+    a("--pytorch-profiler-collect-callstack", action="store_true", help="record the Python call stacks")
+    # Not a Megatron flag: Megatron-LM writes the traces into --tensorboard-dir.
+    a("--profile-dir", default=None,
+      help="where the torch profiler's traces go (None: --tensorboard-dir; not Megatron's)")
+    a("--record-memory-history", action="store_true",
+      help="record the CUDA caching allocator's history from start-up; a snapshot at the end of the profiled "
+           "iterations (last rank) and on an out-of-memory error (that rank)")
+    a("--memory-snapshot-path", default="snapshot.pickle", help="where the memory snapshot goes")

@@ -143,6 +143,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     _validate_logging(parser, args)
     _validate_fp8(parser, args)
     _validate_parallel_and_batch(parser, args)
+    _validate_profiling(parser, args)
     # Every config, once: the model's rules (sizes, heads, query groups and FFN vs TP, dropouts,
     # recomputation, fusions, fp8), the optimizer's (learning rate, loss scaling), the wrapper's.
     # Building them does no communication and touches no device.
@@ -358,6 +359,33 @@ def _validate_logging(parser, args) -> None:
             parser.error(f"--{flag.replace('_', '-')} needs --tensorboard-dir or --wandb-project")
     if (args.wandb_exp_name or args.wandb_save_dir) and args.wandb_project is None:
         parser.error("--wandb-exp-name and --wandb-save-dir need --wandb-project")
+
+
+def _validate_profiling(parser, args) -> None:
+    """Megatron-LM's profiling flags (training/profiling.py): the window and the ranks, checked before
+    any work, and no flag that would have nothing to do."""
+    start, end = args.profile_step_start, args.profile_step_end
+    if start < 0:
+        parser.error(f"--profile-step-start must be >= 0, got {start}")
+    if end <= start:
+        parser.error(f"--profile-step-end ({end}) must be greater than --profile-step-start ({start}): the "
+                     f"profiled iterations are start..end-1")
+    outside = [r for r in args.profile_ranks if not 0 <= r < args.world_size]
+    if outside:
+        parser.error(f"--profile-ranks: {outside[0]} is not a rank of this job (0..{args.world_size - 1})")
+    needs = [(args.use_pytorch_profiler, "--use-pytorch-profiler", args.profile, "--profile"),
+             (args.pytorch_profiler_collect_shapes, "--pytorch-profiler-collect-shapes", args.profile, "--profile"),
+             (args.pytorch_profiler_collect_callstack, "--pytorch-profiler-collect-callstack",
+              args.use_pytorch_profiler, "--use-pytorch-profiler"),
+             (args.profile_dir is not None, "--profile-dir", args.use_pytorch_profiler, "--use-pytorch-profiler")]
+    for given, flag, present, needed in needs:
+        if given and not present:
+            parser.error(f"{flag} needs {needed}")
+    if args.use_pytorch_profiler and args.profile_dir is None and args.tensorboard_dir is None:
+        parser.error("--use-pytorch-profiler writes its traces into --tensorboard-dir (as Megatron-LM) or "
+                     "--profile-dir: give one")
+    if args.flight_recorder_buffer_size is not None and args.flight_recorder_buffer_size < 0:
+        parser.error(f"--flight-recorder-buffer-size must be >= 0, got {args.flight_recorder_buffer_size}")
 
 
 def _validate_fp8(parser, args) -> None:

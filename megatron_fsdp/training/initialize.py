@@ -33,6 +33,7 @@ from .. import _torch_compat, parallel_state, tensor_parallel
 from .._process_groups import release_meshes
 from ..num_microbatches_calculator import destroy_num_microbatches_calculator, init_num_microbatches_calculator
 from ..utils import is_distributed
+from . import flight_recorder
 from .global_vars import set_args
 from .rendezvous import attempt_store, uses_torchrun_agent_store
 
@@ -188,6 +189,7 @@ def initialize_distributed(args, store=None) -> None:
         if local_rank == 0:
             print(f"{os.path.basename(sys.argv[0])}: error: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
+    flight_recorder.configure(args, backend)
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     else:

@@ -52,10 +52,12 @@ from .data_iterators import build_train_valid_test_data_iterators
 from .dist_signal_handler import DistributedSignalHandler
 from .error_report import report_errors
 from .evaluation import evaluate, evaluate_and_print_results, exit_duration_reached
+from .flight_recorder import dump_on_timeout
 from .flops import num_floating_point_operations
 from .global_vars import get_args, set_tokenizer
 from .initialize import check_launched_by_torchrun, distributed_job, initialize_distributed, initialize_megatron
 from .nan_check import check_for_nan_in_loss_and_grad
+from .profiling import StepProfiler, timed
 from .progress import CollectiveTimeoutError, ProgressBeacon, is_timeout
 from .training_log import TrainingLogger, build_tensorboard_writer, build_wandb_writer
 from .tokenizer import build_tokenizer, vocab_size_with_padding
@@ -97,7 +99,7 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
                               forward_step_func, beacon, signal_handler)
             except RuntimeError as exc:
                 if is_timeout(exc):
-                    raise CollectiveTimeoutError(beacon.explain_timeout(exc)) from exc
+                    raise CollectiveTimeoutError(beacon.explain_timeout(exc) + dump_on_timeout(args)) from exc
                 raise
 
 
@@ -120,8 +122,10 @@ def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_f
     manager.setup()
     previous = set_checkpoint_manager(manager)
     try:
-        _pretrain_with(args, dataset_provider, model_provider, model_type, forward_step_func, beacon, signal_handler,
-                       manager)
+        # Memory history from here (before the model); an out-of-memory error leaves its snapshot.
+        with StepProfiler(args) as profiler:
+            _pretrain_with(args, dataset_provider, model_provider, model_type, forward_step_func, beacon,
+                           signal_handler, manager, profiler)
     except BaseException:
         # Every exit waits for a pending save: here alone (the other ranks may not join a collective).
         _report_saved(manager.wait_locally(timeout=60 * args.distributed_timeout_minutes))
@@ -132,7 +136,7 @@ def _pretrain(args, dataset_provider, model_provider, model_type, forward_step_f
 
 
 def _pretrain_with(args, dataset_provider, model_provider, model_type, forward_step_func, beacon, signal_handler,
-                   manager: CheckpointManager) -> None:
+                   manager: CheckpointManager, profiler: StepProfiler) -> None:
     train_start = time.time()
     true_vocab_size = setup_tokenizer(args)
     cp = (f"context-parallel {args.context_parallel_size} ({args.cp_comm_type}) x "
@@ -162,7 +166,7 @@ def _pretrain_with(args, dataset_provider, model_provider, model_type, forward_s
             iteration, flops, exit_reason = train(
                 forward_step_func, model, optimizer, opt_param_scheduler, train_iterator, valid_iterator, config,
                 args=args, logger=logger, beacon=beacon, train_start=train_start, true_vocab_size=true_vocab_size,
-                signal_handler=signal_handler)
+                signal_handler=signal_handler, profiler=profiler)
             saved_last = args.save_interval and iteration % args.save_interval == 0
             if exit_reason is None and args.save and iteration > args.iteration and not saved_last:
                 _save(args, iteration, model, optimizer, opt_param_scheduler, flops, true_vocab_size)
@@ -297,7 +301,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         grads = None if args.fp16 else [p.grad for chunk in model for p in chunk.parameters() if p.grad is not None]
         check_for_nan_in_loss_and_grad(current, local.sum(), grads)
     mark(f"iteration {current}: optimizer step")
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    with timed(config, "optimizer"):
+        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     if update_successful:
         opt_param_scheduler.step(increment=num_microbatches * args.micro_batch_size
                                  * parallel_state.get_data_parallel_world_size())
@@ -370,11 +375,13 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration:
 
 def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
           config, *, args, logger: TrainingLogger, beacon: ProgressBeacon, train_start: float,
-          true_vocab_size: Optional[int] = None, signal_handler: Optional[DistributedSignalHandler] = None):
+          true_vocab_size: Optional[int] = None, signal_handler: Optional[DistributedSignalHandler] = None,
+          profiler: Optional[StepProfiler] = None):
     """The training loop from args.iteration to args.train_iters. Returns
     (iteration, FLOPs so far, why it stopped early or None). With
     --exit-signal-handler, `signal_handler` is pretrain()'s (installed before
-    the data loaders started); without one the loop installs its own."""
+    the data loaders started); without one the loop installs its own. So
+    with `profiler` (the --profile flags, training/profiling.py)."""
     for chunk in model:
         chunk.train()
     config.grad_scale_func = optimizer.scale_loss
@@ -390,8 +397,12 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         handler = contextlib.nullcontext(signal_handler)
     else:
         handler = DistributedSignalHandler()
-    with handler as signal_handler:
+    # pretrain()'s profiler, or one of the loop's own (closed with it).
+    profiling = StepProfiler(args) if profiler is None else contextlib.nullcontext(profiler)
+    with handler as signal_handler, profiling as profiler:
+        profiler.begin(config, iteration)
         while iteration < args.train_iters:
+            profiler.step_begin(iteration + 1)
             update_num_microbatches(args.consumed_train_samples, consistency_check=False, verbose=True)
             if get_num_microbatches() != num_microbatches and iteration != 0 and args.save:
                 # As Megatron: a checkpoint at every batch-size change of a ramp-up.
@@ -425,7 +436,9 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
                 train_start=train_start, true_vocab_size=true_vocab_size)
             _report_saved(get_checkpoint_manager().finalize(blocking=False))  # a background save done?
             logger.resume(paused)
+            profiler.step_end(iteration)
             if exit_reason:
                 print_rank_last(f"> exiting after iteration {iteration}: {exit_reason}")
                 break
+        profiler.end()  # a window the run ended in is written now, without the final evaluation
     return iteration, flops, exit_reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -73,3 +74,16 @@ def calc_params_l2_norm(model) -> float:
     if is_distributed():
         dist.all_reduce(total)
     return float(total.sqrt())
+
+
+def write_whole(path: str, write) -> str:
+    """`write(temporary path)`, then the rename: a reader never sees a half-written file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    return path
