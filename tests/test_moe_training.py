@@ -99,3 +99,32 @@ def test_pretrain_with_experts_repeats_one_process(pools, one_process, dispatche
     assert sorted(one_process) == [1, 2, 3, 4] and got.keys() == one_process.keys(), (got, one_process)
     for iteration, expected in one_process.items():
         assert got[iteration] == pytest.approx(expected, rel=1e-5), (iteration, got, one_process)
+
+
+@pytest.mark.slow  # pretrain() jobs in the worker pool
+def test_checkpoints_are_expert_parallel_invariant(pools, tmp_path):
+    """Saved at EP 2 (x DP 2, 4 ranks), resumed at EP 1 (2 ranks), at EP 4, and at TP 2 + SP with
+    expert TP 2 x EP 2: each continues with the losses of the run it saved (the same full expert
+    weights and optimizer state at any expert layout)."""
+    from test_training import _pretrain
+
+    def tracker_to(iteration):
+        with open(tmp_path / "ep2" / "latest_checkpointed_iteration.txt", "w") as f:
+            f.write(f"{iteration}\n")
+
+    run = [*EXPERTS, "--moe-token-dispatcher-type", "alltoall"]
+    saved = _losses(_pretrain(pools, 4, *run, "--expert-model-parallel-size", "2", "--save", str(tmp_path / "ep2"),
+                              "--save-interval", "2"))
+    tracker_to(2)
+    load = ["--load", str(tmp_path / "ep2")]
+    resumed = {
+        "ep2 -> ep1": _losses(_pretrain(pools, 2, *run, *load)),
+        "ep2 -> ep4": _losses(_pretrain(pools, 4, *run, "--expert-model-parallel-size", "4", *load)),
+        "ep2 -> tp2 x etp2 x ep2": _losses(_pretrain(pools, 4, *run, "--tensor-model-parallel-size", "2",
+                                                     "--sequence-parallel", "--expert-model-parallel-size", "2",
+                                                     *load)),
+    }
+    for how, got in resumed.items():
+        assert sorted(got) == [3, 4], (how, got)
+        for iteration in (3, 4):
+            assert got[iteration] == pytest.approx(saved[iteration], rel=1e-5), (how, got, saved)
