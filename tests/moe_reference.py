@@ -36,7 +36,7 @@ class Weights:
         return {names[k]: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
-def draw_weights(config, seed: int = 0, scale: float = 0.5) -> Weights:
+def draw_weights(config, seed: int = 0, scale: float = 0.3) -> Weights:
     """Weights of a useful size (the library's init is small): the same on every rank."""
     g = torch.Generator().manual_seed(seed)
     E, H, Fe = config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size
