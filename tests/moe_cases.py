@@ -28,8 +28,9 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor, what: str = "")
 S, B = 8, 2
 
 
-def setup(tp: int = 1, ep: int = 1, etp=None, seed: int = 1234) -> None:
-    setup_parallel(tp, seed=seed, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+def setup(tp: int = 1, ep: int = 1, etp=None, seed: int = 1234, cp: int = 1) -> None:
+    setup_parallel(tp, seed=seed, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                   context_parallel_size=cp)
     MoEAuxLossAutoScaler.set_loss_scale(1.0)
 
 
@@ -37,6 +38,7 @@ def moe_config(**overrides):
     """A one-layer config with 4 experts (top-2) at the parallel state's layout."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     fields = dict(num_layers=1, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32, add_bias_linear=False,
+                  context_parallel_size=parallel_state.get_context_parallel_world_size(),
                   num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, gated_linear_unit=True,
                   activation_func=F.silu, sequence_parallel=tp > 1,
                   expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
@@ -66,9 +68,16 @@ def build(config, weights: moe_reference.Weights) -> MoELayer:
     return layer
 
 
+def chunks() -> int:
+    """How many ranks share a micro-batch's sequences (tensor x context parallel)."""
+    return parallel_state.get_tensor_and_context_parallel_world_size()
+
+
 def replica_and_chunk() -> tuple[int, int]:
-    """This rank's micro-batch (its data-parallel rank) and its part of the sequence (its TP rank)."""
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    """This rank's micro-batch (its data-parallel rank) and its part of the sequence (its rank
+    among the tensor x context parallel ranks: which part does not matter to the layer, only
+    that the reference routes the same parts)."""
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_tensor_and_context_parallel_rank()
 
 
 def data(config, padded: bool = False, seed: int = 7):
@@ -84,21 +93,20 @@ def data(config, padded: bool = False, seed: int = 7):
 def local(t: torch.Tensor, seq_dim: int) -> torch.Tensor:
     """This rank's part of a [R, ...] tensor: its replica, its chunk of the sequence dim."""
     replica, chunk = replica_and_chunk()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return t[replica].chunk(tp, dim=seq_dim - 1)[chunk].contiguous()
+    return t[replica].chunk(chunks(), dim=seq_dim - 1)[chunk].contiguous()
 
 
 def full_grads(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Each parameter's full gradient over every rank's tokens: expert gradients summed over
-    the expert-data-parallel ranks, the others over the data-parallel ranks (the TP sum of a
-    replicated weight under sequence parallelism is the layer's own), then unsharded."""
+    the expert-data-parallel ranks, the others over the data x context parallel ranks (the TP
+    sum of a replicated weight under sequence parallelism is the layer's own), then unsharded."""
     grads = {}
     for name, p in layer.named_parameters():
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         g = g.detach().clone()
         expert = getattr(p, "allreduce", True) is False
         dist.all_reduce(g, group=parallel_state.get_expert_data_parallel_group() if expert
-                        else parallel_state.get_data_parallel_group())
+                        else parallel_state.get_data_parallel_group(with_context_parallel=True))
         if isinstance(p, DTensor):
             g = DTensor.from_local(g, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
             g = g.full_tensor() if expert else full_tensor(g, partition_stride.stride_of(p))
@@ -113,8 +121,7 @@ def run_and_compare(config, padded: bool = False, train: bool = True, seed: int 
     layer = build(config, weights)
     layer.train(train)
     x, grad_out, padding = data(config, padded)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    ref, ref_grads = moe_reference.reference_grads(config, weights, x, grad_out, chunks=tp, padding=padding)
+    ref, ref_grads = moe_reference.reference_grads(config, weights, x, grad_out, chunks=chunks(), padding=padding)
     x_local = local(x, 1).requires_grad_(True)
     output, bias = layer(x_local, padding_mask=None if padding is None else local(padding, 2))
     assert bias is None

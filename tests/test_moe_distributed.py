@@ -1,5 +1,6 @@
 """MoELayer across ranks against the plain reference (tests/moe_reference.py): expert parallelism,
-with data parallelism, with tensor + sequence parallelism at expert TP 1 and 2, both dispatchers.
+with data parallelism, with tensor + sequence parallelism at expert TP 1 and 2, with context
+parallelism, both dispatchers.
 Each rank's output and input gradient are the reference's on its tokens; the full weight
 gradients (summed over the ranks that share them) are the reference's; so are the logged
 losses and the expert-bias token counts and update. The experts' full weights are the same at
@@ -17,8 +18,9 @@ from megatron_fsdp.initialization import initialize_parameters
 from megatron_fsdp.transformer.moe import MoELayer, reduce_moe_metrics
 from megatron_fsdp.transformer.moe.moe_utils import _update_router_expert_bias, reset_model_temporary_tensors
 
-# (world, TP, EP, expert TP): TP > 1 runs with sequence parallelism.
-LAYOUTS = [(2, 1, 2, 1), (4, 1, 2, 1), (4, 2, 2, 1), (4, 2, 2, 2), (4, 1, 4, 1), (4, 2, 1, 2)]
+# (world, TP, EP, expert TP, CP): TP > 1 runs with sequence parallelism.
+LAYOUTS = [(2, 1, 2, 1, 1), (4, 1, 2, 1, 1), (4, 2, 2, 1, 1), (4, 2, 2, 2, 1), (4, 1, 4, 1, 1), (4, 2, 1, 2, 1),
+           (4, 1, 2, 1, 2), (4, 2, 2, 2, 2)]
 FEATURES = {
     "losses_shared": dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_shared_expert_intermediate_size=8,
                           moe_shared_expert_gate=True),
@@ -31,9 +33,9 @@ FEATURES = {
 }
 CASES = [(layout, dispatcher, feature) for layout in LAYOUTS for dispatcher in ("alltoall", "allgather")
          for feature in FEATURES]
-FAST = [((2, 1, 2, 1), "alltoall", "losses_shared"), ((4, 2, 2, 2), "alltoall", "losses_shared"),
-        ((4, 2, 2, 1), "allgather", "capacity_seq_aux"), ((4, 1, 2, 1), "alltoall", "sigmoid_bias"),
-        ((4, 2, 2, 2), "alltoall", "padded_capacity")]
+FAST = [((2, 1, 2, 1, 1), "alltoall", "losses_shared"), ((4, 2, 2, 2, 1), "alltoall", "losses_shared"),
+        ((4, 2, 2, 1, 1), "allgather", "capacity_seq_aux"), ((4, 1, 2, 1, 1), "alltoall", "sigmoid_bias"),
+        ((4, 2, 2, 2, 1), "alltoall", "padded_capacity"), ((4, 1, 2, 1, 2), "allgather", "losses_shared")]
 
 
 def _check_logged(expected: dict) -> None:
@@ -59,8 +61,8 @@ def _check_expert_bias(layer, config, counts: list[int]) -> None:
 
 
 def _case_layout(layout, dispatcher: str, feature: str) -> None:
-    _, tp, ep, etp = layout
-    setup(tp, ep, etp)
+    _, tp, ep, etp, cp = layout
+    setup(tp, ep, etp, cp=cp)
     config = moe_config(moe_token_dispatcher_type=dispatcher, **FEATURES[feature])
     result = run_and_compare(config)
     _check_logged(result["logged"])

@@ -166,3 +166,13 @@ def _case_refused() -> None:
 
 def test_bad_inputs_raise_one_clear_error(pools):
     pools(1).run(_case_refused)
+
+
+def test_padding_to_a_capacity_above_the_tokens_is_refused():
+    from megatron_fsdp.transformer import TransformerConfig
+
+    fields = dict(num_layers=1, hidden_size=16, num_attention_heads=4, add_bias_linear=False, num_moe_experts=4,
+                  moe_router_topk=2, moe_pad_expert_input_to_capacity=True)
+    TransformerConfig(**fields, moe_expert_capacity_factor=2.0)  # capacity = a rank's tokens: allowed
+    with pytest.raises(ValueError, match="the factor must be at most num_moe_experts / moe_router_topk = 2"):
+        TransformerConfig(**fields, moe_expert_capacity_factor=2.5)

@@ -16,13 +16,22 @@ import torch.distributed as dist
 
 from ... import parallel_state
 from ...tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-from .moe_logging import (  # noqa: F401  (Megatron-Core's moe_utils names)
+from .moe_logging import (  # Megatron-Core's moe_utils names
     clear_aux_losses_tracker,
     get_moe_layer_wise_logging_tracker,
     reduce_aux_losses_tracker_across_ranks,
     save_to_aux_losses_tracker,
     track_moe_metrics,
 )
+
+__all__ = [
+    "MoEAuxLossAutoScaler", "apply_router_token_dropping", "clear_aux_losses_tracker",
+    "compute_routing_scores_for_aux_loss", "get_capacity", "get_moe_layer_wise_logging_tracker",
+    "get_tokens_per_expert_and_token_count", "get_updated_expert_bias", "permute",
+    "reduce_aux_losses_tracker_across_ranks", "reset_model_temporary_tensors", "save_to_aux_losses_tracker",
+    "sort_chunks_by_idxs", "switch_load_balancing_loss_func", "topk_routing_with_score_function",
+    "track_moe_metrics", "unpermute", "z_loss_func",
+]
 
 
 # ---------------------------------------------------------------- auxiliary losses

@@ -11,8 +11,6 @@ the experts' GEMM sizes are host ints.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ... import parallel_state
