@@ -71,7 +71,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
         self.routing_map = routing_map
-        return hidden_states.view(-1, self.hidden_shape[-1]), probs
+        return hidden_states.reshape(-1, self.hidden_shape[-1]), probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         if self.tp_ep_group.size() > 1:
@@ -161,7 +161,7 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
         self.routing_map = routing_map
-        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
         self.tokens_per_expert = self.preprocess(routing_map)
         self.hidden_shape_before_permute = hidden_states.shape
         self.probs_dtype = probs.dtype
