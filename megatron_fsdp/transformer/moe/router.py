@@ -165,6 +165,7 @@ class TopKRouter(ResetsDeclaredParameters, nn.Module):
         """Attach the z-loss to the logits' backward. Each TP x CP rank takes the mean over its
         tokens with coeff / (TP x CP): the ranks' losses add up to the mean over the sequences."""
         coeff = self.config.moe_z_loss_coeff
+        # None or 0: no z-loss (Megatron would compute one times 0 and log it divided by 0).
         if not coeff or not (self.training and torch.is_grad_enabled()):
             return logits
         scaled = coeff / self.tp_cp_group.size()
