@@ -67,6 +67,7 @@ PRIVATE_NAMES = {
     "torch.utils._pytree:tree_map_only": ALL,
     "torch.utils._pytree:tree_leaves": ALL,
     "torch:_scaled_mm": ALL,
+    "torch:_grouped_mm": ALL,
     "torch:_foreach_norm": ALL,
     "torch:_foreach_mul_": ALL,
     "torch:_amp_foreach_non_finite_check_and_unscale_": ALL,
@@ -406,6 +407,27 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, out=None):
     """`torch._scaled_mm` (schema unchanged 2.11-2.14): fp8 GEMM with float32
     inverse scales; `F.scaled_mm`'s recipe API is a different contract."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: `torch._grouped_mm`'s backward
+    rejects an expanded one (the gradient of a `.sum()`, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(a, b, offs=offs)` (torch 2.13's `F.grouped_mm` calls it; read on 2.13,
+    its other versions unverified here): rows offs[g-1]:offs[g] of the 2D `a` times `b[g]` for the 3D `b`
+    ([groups, K, N], a transposed view of a contiguous [groups, N, K] weight), differentiable.
+    `offs`: int32 cumulative row counts on `a`'s device."""
+    return _ContiguousGradient.apply(torch._grouped_mm(a, b, offs=offs))
 
 
 def flash_attention_with_lse(q, k, v, *, causal: bool, scale: float):

@@ -4,6 +4,7 @@ from . import random
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (
+    all_to_all,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -16,6 +17,7 @@ from .random import (
     CudaRNGStatesTracker,
     checkpoint,
     get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
     model_parallel_cuda_manual_seed,
 )
 from .data import broadcast_data
@@ -36,6 +38,7 @@ __all__ = [
     "CudaRNGStatesTracker",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "all_to_all",
     "broadcast_data",
     "checkpoint",
     "copy_tensor_model_parallel_attributes",
@@ -45,6 +48,7 @@ __all__ = [
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_cuda_rng_tracker",
+    "get_expert_parallel_rng_tracker_name",
     "local_tensor",
     "model_parallel_cuda_manual_seed",
     "param_is_not_tensor_parallel_duplicate",

@@ -145,31 +145,104 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
         return _all_gather_dim0(grad, ctx.group), None
 
 
+def _all_to_all_dim0(x: torch.Tensor, group: dist.ProcessGroup, output_split_sizes: Optional[list[int]],
+                     input_split_sizes: Optional[list[int]]) -> torch.Tensor:
+    """Rows input_split_sizes[i] of `x` go to rank i; rows output_split_sizes[i] come from rank i
+    (None: equal parts)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    x = x.contiguous()
+    rows = x.size(0) if output_split_sizes is None else sum(output_split_sizes)
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                           group=group)
+    return out
+
+
+def _check_split_sizes(what: str, sizes: list[int], group: dist.ProcessGroup) -> None:
+    if len(sizes) != dist.get_world_size(group) or any(not isinstance(n, int) or n < 0 for n in sizes):
+        raise ValueError(f"{what} must be {dist.get_world_size(group)} non-negative ints (one per rank of the "
+                         f"group), got {sizes!r}")
+
+
+def _all_gather_dim0_uneven(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's rows (rank i holds sizes[i]) in rank order. gloo has no uneven all-gather:
+    an all-to-all that sends this rank's rows to every rank moves the same bytes."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    if x.size(0) != sizes[dist.get_rank(group)]:
+        raise ValueError(f"this rank holds {x.size(0)} rows but output_split_sizes says "
+                         f"{sizes[dist.get_rank(group)]}")
+    repeated = x.contiguous().unsqueeze(0).expand(world_size, *x.shape).reshape(-1, *x.shape[1:])
+    return _all_to_all_dim0(repeated, group, list(sizes), [x.size(0)] * world_size)
+
+
+def _reduce_scatter_dim0_uneven(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows sizes[i] of the sum over ranks of `x` to rank i: an all-to-all of the parts, then the
+    sum in rank order (the same on every rank, whatever the backend)."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return x
+    if x.size(0) != sum(sizes):
+        raise ValueError(f"the input has {x.size(0)} rows but input_split_sizes sum to {sum(sizes)}")
+    mine = sizes[dist.get_rank(group)]
+    parts = _all_to_all_dim0(x, group, [mine] * world_size, list(sizes))
+    return parts.view(world_size, mine, *x.shape[1:]).sum(dim=0)
+
+
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tensor_parallel_output_grad, group):
+    def forward(ctx, x, tensor_parallel_output_grad, group, split_sizes):
         ctx.group = group
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        ctx.split_sizes = split_sizes
+        if split_sizes is not None:
+            return _all_gather_dim0_uneven(x, split_sizes, group)
         return _all_gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
         # A gathered input that feeds tensor-parallel compute gets partial
         # gradients on every rank: they are summed while being scattered.
+        if ctx.split_sizes is not None:
+            if ctx.tensor_parallel_output_grad:
+                return _reduce_scatter_dim0_uneven(grad, ctx.split_sizes, ctx.group), None, None, None
+            start = sum(ctx.split_sizes[:dist.get_rank(ctx.group)])
+            return grad[start:start + ctx.split_sizes[dist.get_rank(ctx.group)]].contiguous(), None, None, None
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_dim0(grad, ctx.group), None, None
-        return _split_along_dim(grad, 0, ctx.group), None, None
+            return _reduce_scatter_dim0(grad, ctx.group), None, None, None
+        return _split_along_dim(grad, 0, ctx.group), None, None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, split_sizes):
         ctx.group = group
+        ctx.split_sizes = split_sizes
+        if split_sizes is not None:
+            return _reduce_scatter_dim0_uneven(x, split_sizes, group)
         return _reduce_scatter_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
+        if ctx.split_sizes is not None:
+            return _all_gather_dim0_uneven(grad, ctx.split_sizes, ctx.group), None, None
+        return _all_gather_dim0(grad, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, x, output_split_sizes, input_split_sizes):
+        ctx.group = group
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        return _all_to_all_dim0(x, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The adjoint sends every row back where it came from.
+        return None, _AllToAll.apply(ctx.group, grad, ctx.input_split_sizes, ctx.output_split_sizes), None, None
 
 
 def copy_to_tensor_model_parallel_region(input_, group=None):
@@ -199,15 +272,37 @@ def scatter_to_sequence_parallel_region(input_, group=None):
 
 def gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=None,
                                          output_split_sizes=None, use_global_buffer=False):
-    """All-gather dimension 0; reduce-scatter (or split) the gradient in backward."""
+    """All-gather dimension 0; reduce-scatter (or split) the gradient in backward.
+    `output_split_sizes` (host ints, one per rank): rank i contributes that many rows (uneven)."""
+    group = _tp_group(group)
     if output_split_sizes is not None:
-        raise NotImplementedError("output_split_sizes (uneven sequence split) is not supported")
-    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad, _tp_group(group))
+        output_split_sizes = [int(n) for n in output_split_sizes]
+        _check_split_sizes("output_split_sizes", output_split_sizes, group)
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad, group, output_split_sizes)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
                                                use_global_buffer=False):
-    """Reduce-scatter dimension 0; all-gather the gradient in backward."""
+    """Reduce-scatter dimension 0; all-gather the gradient in backward.
+    `input_split_sizes` (host ints, one per rank): rank i gets that many rows of the sum (uneven)."""
+    group = _tp_group(group)
     if input_split_sizes is not None:
-        raise NotImplementedError("input_split_sizes (uneven sequence split) is not supported")
-    return _ReduceScatterToSequenceParallelRegion.apply(input_, _tp_group(group))
+        input_split_sizes = [int(n) for n in input_split_sizes]
+        _check_split_sizes("input_split_sizes", input_split_sizes, group)
+    return _ReduceScatterToSequenceParallelRegion.apply(input_, group, input_split_sizes)
+
+
+def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False):
+    """Megatron's all-to-all over `group` along dimension 0 (host-int split sizes, one per rank;
+    None: equal parts); backward sends each gradient row back to where its row came from."""
+    if group is None:
+        raise ValueError("all_to_all: group must be a process group, got None")
+    if use_nccl_stream:
+        raise NotImplementedError("all_to_all: use_nccl_stream=True is not supported (one stream here)")
+    sizes = []
+    for what, split in (("output_split_sizes", output_split_sizes_), ("input_split_sizes", input_split_sizes)):
+        split = None if split is None else [int(n) for n in split]
+        if split is not None:
+            _check_split_sizes(what, split, group)
+        sizes.append(split)
+    return _AllToAll.apply(group, input_, *sizes)

@@ -12,7 +12,7 @@ current CUDA generator under NCCL.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.utils.checkpoint
@@ -113,18 +113,32 @@ def get_cuda_rng_tracker(use_te_rng_tracker: bool = False, inference_rng_tracker
     return _CUDA_RNG_STATE_TRACKER
 
 
+def get_expert_parallel_rng_tracker_name() -> str:
+    """The tracked stream of mixture-of-experts layers: different on every expert-tensor and
+    expert-model parallel rank, the same across expert-data-parallel ranks (Megatron's)."""
+    return _EXPERT_PARALLEL_RNG_TRACKER_NAME
+
+
 def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False,
                                     inference_rng_tracker: bool = False,
                                     use_cudagraphable_rng: bool = False,
+                                    tp_rank: Optional[int] = None, ep_rank: Optional[int] = None,
+                                    etp_rank: Optional[int] = None,
                                     force_reset_rng: bool = False) -> None:
-    """Seed the device generator with `seed` and the tracked TP stream with
-    `seed + 2718 + tp_rank` (Megatron's offsets), on CPU or CUDA."""
+    """Seed the device generator with `seed`, the tracked TP stream with `seed + 2718 + tp_rank`
+    and the expert stream with `seed + 1024 + 100 * ep_rank + etp_rank` (Megatron's offsets;
+    ranks default to this rank's in parallel_state), on CPU or CUDA."""
     tracker = get_cuda_rng_tracker(te_rng_tracker, inference_rng_tracker, use_cudagraphable_rng)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    for name, rank in (("tp_rank", tp_rank), ("ep_rank", ep_rank), ("etp_rank", etp_rank)):
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise ValueError(f"{name} must be None or a non-negative integer, got {rank!r}")
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank
     tensor_model_parallel_seed = seed + 2718 + tp_rank
-    expert_parallel_seed = seed + 1024 + tp_rank  # expert parallel size is always 1 here
+    expert_parallel_seed = seed + 1024 + 100 * ep_rank + etp_rank
     tracker.reset()
     if _device_type() == "cuda":
         torch.cuda.manual_seed(seed)
@@ -132,6 +146,17 @@ def model_parallel_cuda_manual_seed(seed: int, te_rng_tracker: bool = False,
         torch.random.default_generator.manual_seed(seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, tensor_model_parallel_seed)
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_parallel_seed)
+
+
+# How many checkpoint() recomputations are running now (nested checkpoints recompute inside one).
+_RECOMPUTING = 0
+
+
+def in_activation_recomputation() -> bool:
+    """Whether checkpoint() is recomputing a forward now. Its recomputation runs with autograd on
+    (non-reentrant checkpointing), so code with side effects of a forward (the MoE router's
+    auxiliary-loss logging and expert-bias token counts) asks this to do them once."""
+    return _RECOMPUTING > 0
 
 
 class _TrackerStatesForRecompute:
@@ -149,12 +174,15 @@ class _TrackerStatesForRecompute:
 
     @contextlib.contextmanager
     def recompute(self):
+        global _RECOMPUTING
         tracker = get_cuda_rng_tracker()
         current = tracker.get_states()
         tracker.set_states(self.saved)
+        _RECOMPUTING += 1
         try:
             yield
         finally:
+            _RECOMPUTING -= 1
             tracker.set_states(current)
 
 

@@ -105,6 +105,12 @@ def _check_dispatch(config) -> None:
         raise ValueError(f"moe_expert_capacity_factor must be None (dropless) or a positive number, got {factor!r}")
     if config.moe_pad_expert_input_to_capacity and factor is None:
         raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+    most = config.num_moe_experts / config.moe_router_topk
+    if config.moe_pad_expert_input_to_capacity and factor > most:
+        # NOTE: a capacity above a rank's token count cannot be filled with distinct tokens.
+        raise ValueError(f"moe_pad_expert_input_to_capacity with moe_expert_capacity_factor={factor}: the capacity "
+                         f"would exceed a rank's tokens; the factor must be at most num_moe_experts / "
+                         f"moe_router_topk = {most:g}")
 
 
 def _check_shared_expert(config) -> None:
