@@ -131,8 +131,9 @@ def fill_normal_slice(param: torch.Tensor, std: float, seed: int, name: str) -> 
 @torch.no_grad()
 def _write_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Each rank keeps its part of the full tensor `full`."""
-    full = partition_stride.to_blocks(full, partition_stride.stride_of(param),
-                                      parallel_state.get_tensor_model_parallel_world_size())
+    stride = partition_stride.stride_of(param)
+    if stride != 1:  # NOTE: only a strided parameter's rows are the TP ranks' blocks
+        full = partition_stride.to_blocks(full, stride, parallel_state.get_tensor_model_parallel_world_size())
     if isinstance(param, DTensor):
         full = full.to(param.device_mesh.device_type)
         local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)

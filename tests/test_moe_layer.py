@@ -38,7 +38,7 @@ def _case_feature(name: str, dispatcher: str, padded: bool = False) -> None:
     setup()
     config = moe_config(moe_token_dispatcher_type=dispatcher, **FEATURES[name])
     result = run_and_compare(config, padded=padded)
-    logged = reduce_moe_metrics(loss_scale=1.0, num_layers=1)
+    logged = {k: float(v) for k, v in reduce_moe_metrics(loss_scale=1.0, num_layers=1).items()}
     assert logged.keys() == result["logged"].keys(), (logged, result["logged"])
     for key, value in result["logged"].items():
         assert logged[key] == pytest.approx(value, rel=1e-5), key

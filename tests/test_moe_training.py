@@ -62,13 +62,20 @@ def test_moe_flags_make_the_config_megatron_lm_makes():
 EXPERTS = ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
            "--moe-z-loss-coeff", "1e-3", "--make-vocab-size-divisible-by", "32", "--train-iters", "4",
            "--eval-iters", "0"]
-MOE_LINE = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([\d.E+-]+) \|.*load_balancing_loss: ([\d.E+-]+) \|"
-                      r".*z_loss: ([\d.E+-]+) \|")
+ITERATION = re.compile(r"iteration\s+(\d+)/")
+# NOTE: the gradient norm too: Adam hides a gradient off by a constant factor from the losses (an
+# expert gradient 4x too large moved the losses by 2e-6 only), not from the norm.
+LOSSES = ("lm loss", "load_balancing_loss", "z_loss", "grad norm")
 
 
-def _losses(job) -> dict[int, tuple[float, float, float]]:
-    return {int(m[1]): (float(m[2]), float(m[3]), float(m[4])) for m in map(MOE_LINE.search, job.stdout.splitlines())
-            if m}
+def _losses(job) -> dict[int, tuple[float, ...]]:
+    """{iteration: (lm loss, load_balancing_loss, z_loss, grad norm)} of the log lines."""
+    found = {}
+    for line in job.stdout.splitlines():
+        values = [re.search(rf"\| {name}: ([\d.E+-]+) \|", line) for name in LOSSES]
+        if ITERATION.search(line) and all(values):
+            found[int(ITERATION.search(line)[1])] = tuple(float(v[1]) for v in values)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +94,7 @@ def one_process(pools):
     (4, "expert-parallel 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
     (4, "expert-parallel 2", ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),  # EP 2 x CP 2
+    (4, "expert-parallel 4", ["--expert-model-parallel-size", "4"]),  # one expert per rank, DP 4
 ])
 def test_pretrain_with_experts_repeats_one_process(pools, one_process, dispatcher, world, layout, flags):
     """The same losses (the language model's and the routers' auxiliary ones), step for step, as
@@ -98,7 +106,8 @@ def test_pretrain_with_experts_repeats_one_process(pools, one_process, dispatche
     got = _losses(job)
     assert sorted(one_process) == [1, 2, 3, 4] and got.keys() == one_process.keys(), (got, one_process)
     for iteration, expected in one_process.items():
-        assert got[iteration] == pytest.approx(expected, rel=1e-5), (iteration, got, one_process)
+        assert got[iteration][:3] == pytest.approx(expected[:3], rel=1e-5), (iteration, got, one_process)
+        assert got[iteration][3] == pytest.approx(expected[3], abs=2e-3), (iteration, got, one_process)  # 3 decimals
 
 
 @pytest.mark.slow  # pretrain() jobs in the worker pool
@@ -127,4 +136,5 @@ def test_checkpoints_are_expert_parallel_invariant(pools, tmp_path):
     for how, got in resumed.items():
         assert sorted(got) == [3, 4], (how, got)
         for iteration in (3, 4):
-            assert got[iteration] == pytest.approx(saved[iteration], rel=1e-5), (how, got, saved)
+            assert got[iteration][:3] == pytest.approx(saved[iteration][:3], rel=1e-5), (how, got, saved)
+            assert got[iteration][3] == pytest.approx(saved[iteration][3], abs=2e-3), (how, got, saved)

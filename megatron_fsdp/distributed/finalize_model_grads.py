@@ -70,9 +70,10 @@ def finalize_model_grads(model: list[torch.nn.Module], num_tokens: Optional[torc
         timers("all-grads-sync").stop()
     if getattr(config, "moe_router_enable_expert_bias", False):
         # Megatron's place for it: the routers' expert biases move with this step's token counts.
-        from ..transformer.moe.router import update_router_expert_bias
+        from ..transformer.moe.moe_utils import _update_router_expert_bias, reset_model_temporary_tensors
 
-        update_router_expert_bias(model, config)
+        _update_router_expert_bias(model, config)
+        reset_model_temporary_tensors(config, model)
 
     if num_tokens is not None:
         total = num_tokens.detach().clone().to(parallel_state.get_device())

@@ -90,7 +90,7 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
     on_meta = any(p.device.type == "meta" for p in module.parameters())
     mp_policy = _mixed_precision_policy(config, ddp_config)
     expert_units = () if disable_bucketing else _expert_units(module)
-    _check_experts(expert_units, ddp_config, process_group, reshard_after_forward)
+    _check_experts(expert_units, ddp_config, mesh, reshard_after_forward)
     return FSDPPlan(
         mesh=mesh,
         process_group=process_group,
@@ -185,10 +185,7 @@ def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
     for experts in plan.expert_units:  # inside their layers' units: sharded first
         fully_shard(experts, mesh=plan.expert_mesh, reshard_after_forward=plan.reshard_after_forward,
                     mp_policy=plan.mp_policy, offload_policy=offload, shard_placement_fn=_expert_shard_placement)
-        # NOTE: an expert's gradient sums the contributions of the tokens of every rank routed to it;
-        # the dense gradients are averaged over DP x CP, so the experts' are divided by that size too,
-        # not by their own mesh's (world / (EP x expert TP)).
-        experts.set_gradient_divide_factor(plan.expert_grad_divide_factor)
+        _divide_expert_grads(experts, plan)
     for unit in reversed(plan.units):
         fully_shard(unit, mesh=plan.mesh, reshard_after_forward=plan.reshard_after_forward,
                     mp_policy=plan.mp_policy, offload_policy=offload)
@@ -210,6 +207,20 @@ def shard_units(module: nn.Module, plan: FSDPPlan) -> None:
         # implicit prefetch order; prefetch the previous unit explicitly.
         for previous, unit in zip(plan.units, plan.units[1:]):
             unit.set_modules_to_backward_prefetch([previous])
+
+
+def _divide_expert_grads(experts: FSDPModule, plan: FSDPPlan) -> None:
+    """An expert's gradient sums the contributions of the tokens of every rank routed to it; the
+    dense gradients are averaged over DP x CP, so the experts' are divided by that size too, not by
+    their own mesh's (world / (EP x expert TP))."""
+    if plan.expert_mesh.size() > 1:
+        experts.set_gradient_divide_factor(plan.expert_grad_divide_factor)
+        return
+    # NOTE: a mesh of one rank reduces nothing, and FSDP2 (torch 2.13) then divides twice by a
+    # set factor under force_sum_reduction_for_comms (gloo): the division is done here instead,
+    # after its (identity) reduce-scatter.
+    factor = plan.expert_grad_divide_factor
+    experts.set_all_reduce_hook(lambda reduced: reduced.div_(factor))
 
 
 def materialize_meta_parameters(module: nn.Module, plan: FSDPPlan, tp_attributes: dict) -> None:
@@ -311,10 +322,11 @@ def _expert_units(root: nn.Module) -> tuple:
     return tuple(units)
 
 
-def _check_experts(expert_units: tuple, ddp_config, process_group, reshard_after_forward) -> None:
+def _check_experts(expert_units: tuple, ddp_config, mesh: DeviceMesh, reshard_after_forward) -> None:
     if not expert_units:
         return
-    if process_group is not None or ddp_config.num_distributed_optimizer_instances > 1:
+    dense_mesh = parallel_state.get_data_parallel_mesh(with_context_parallel=True)
+    if mesh is not dense_mesh or ddp_config.num_distributed_optimizer_instances > 1:
         raise NotImplementedError("a model with experts shards its dense parameters over parallel_state's data- "
                                   "and context-parallel group and its experts over the expert-data-parallel group: "
                                   "a process_group or HSDP (num_distributed_optimizer_instances > 1) is not supported")

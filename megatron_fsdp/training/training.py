@@ -307,7 +307,14 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         opt_param_scheduler.step(increment=num_microbatches * args.micro_batch_size
                                  * parallel_state.get_data_parallel_world_size())
     mark(f"iteration {current}: loss all-reduce")
-    return _reduce_losses(reports), int(not update_successful), grad_norm, num_zeros_in_grad
+    losses = _reduce_losses(reports)
+    if getattr(config, "num_moe_experts", None) is not None:
+        # The routers' auxiliary losses (Megatron's names, without their coefficients): per MoE layer,
+        # summed over the micro-batches x 1 / micro-batches, averaged over the DP ranks.
+        from ..transformer.moe.moe_logging import reduce_moe_metrics
+
+        losses.update(reduce_moe_metrics(1.0 / num_microbatches, config.num_layers, config.moe_layer_freq))
+    return losses, int(not update_successful), grad_norm, num_zeros_in_grad
 
 
 def _reduce_losses(reports: list[dict]) -> dict[str, torch.Tensor]:

@@ -91,16 +91,17 @@ class MoEMetricsTracker:
                 _all_reduce_mean(entry.values, dp_group)
 
     def reduce(self, loss_scale: float, num_layers: int, moe_layer_freq: Union[int, list] = 1,
-               track_names: Optional[list[str]] = None, force_initialize: bool = False) -> dict[str, float]:
-        """{name: value} as the module docstring says, then the values are cleared. Every rank
-        must call it. `force_initialize` creates missing `track_names` (zeros) first."""
+               track_names: Optional[list[str]] = None, force_initialize: bool = False) -> dict[str, torch.Tensor]:
+        """{name: value} as the module docstring says (0-dim device tensors: reading them is the
+        caller's synchronization), then the values are cleared. Every rank must call it.
+        `force_initialize` creates missing `track_names` (zeros) first."""
         names = list(self._metrics) if track_names is None else list(track_names)
         if force_initialize:
             for name in names:
                 self.ensure_initialized(name, num_layers, parallel_state.get_device())
         self.sync(names)
         layers = num_moe_layers(num_layers, moe_layer_freq)
-        result = {name: float(self._metrics[name].values.float().sum() * loss_scale / layers)
+        result = {name: self._metrics[name].values.float().sum() * (loss_scale / layers)
                   for name in names if name in self._metrics}
         self.clear()
         return result
@@ -119,8 +120,8 @@ class MoEMetricsTracker:
         if num_layers is None:
             raise ValueError("MoEMetricsTracker.report: num_layers is required (the model's layer count)")
         names = [track_names] if isinstance(track_names, str) else track_names
-        scalars = self.reduce(loss_scale, num_layers, 1 if moe_layer_freq is None else moe_layer_freq,
-                              names, force_initialize)
+        scalars = {name: float(value) for name, value in self.reduce(
+            loss_scale, num_layers, 1 if moe_layer_freq is None else moe_layer_freq, names, force_initialize).items()}
         for name, value in scalars.items():
             if writer is not None:
                 writer.add_scalar(name, value, iteration)
@@ -171,7 +172,7 @@ parallel_state.on_destroy_model_parallel(destroy_moe_metrics_tracker)
 
 
 def reduce_moe_metrics(loss_scale: float, num_layers: int, moe_layer_freq: Union[int, list] = 1,
-                       track_names: Optional[list[str]] = None) -> dict[str, float]:
+                       track_names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
     """What the training loop calls after each step (every rank): {"load_balancing_loss": ...,
     "z_loss": ...} for the losses the routers recorded (see the module docstring), as Megatron's
     track_moe_metrics computes them; pass loss_scale = 1 / number of micro-batches. Clears them."""
