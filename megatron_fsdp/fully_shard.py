@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _torch_compat
 from ._process_groups import backend_device_type
-from .distributed.fsdp_plan import FSDPPlan, _materialization_device, _units, apply_fsdp_plan
+from .distributed.fsdp_plan import FSDPPlan, _expert_units, _materialization_device, _units, apply_fsdp_plan
 from .distributed.outer_sharding import OuterShardedOptimizerState
 from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params
 from .initialization import has_recorded_parameters, initialize_parameters, unrecorded_parameters_of_layers
@@ -53,8 +53,7 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 # NVIDIA's arguments FSDP2 has no counterpart for: accepted at their defaults, refused otherwise.
 _UNSUPPORTED = {
-    "hybrid_fsdp_expt_group": "expert (MoE) process groups",
-    "expt_device_mesh": "an expert (MoE) device mesh",
+    "hybrid_fsdp_expt_group": "HSDP of expert (MoE) parameters",
     "fsdp_group_ag": "a separate all-gather process group",
     "expt_fsdp_group_ag": "a separate expert all-gather process group",
     "keep_fp8_transpose_cache": "Transformer Engine's fp8 transpose cache",
@@ -138,6 +137,30 @@ def _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_gro
         if dist.get_world_size(hybrid_fsdp_group) != expected:
             raise ValueError(f"hybrid_fsdp_group has {dist.get_world_size(hybrid_fsdp_group)} ranks; the "
                              f"{dp_outer_dim!r} x {dp_shard_dim!r} dimensions of device_mesh hold {expected}")
+
+
+def _check_expert_mesh(expt_device_mesh, expert_units: tuple, dp_shard_dim, dp_outer_dim, strategy: str):
+    """The expert mesh's data-parallel dimension (None without one): NVIDIA's rule, the dimension
+    named dp_shard_dim, or "expt_dp" of parallel_state.get_expert_device_mesh()."""
+    if expt_device_mesh is None:
+        if any(isinstance(p, DTensor) for unit in expert_units for p in unit.parameters()):
+            raise ValueError("fully_shard: the module holds expert-parallel (DTensor) expert parameters: pass "
+                             "expt_device_mesh (parallel_state.get_expert_device_mesh())")
+        return None  # experts replicated like the dense layers (expert parallelism 1): sharded with them
+    if not isinstance(expt_device_mesh, DeviceMesh):
+        raise TypeError(f"expt_device_mesh must be a torch DeviceMesh, got {type(expt_device_mesh).__name__}")
+    if not expert_units:
+        raise ValueError("fully_shard: expt_device_mesh given, but the module has no expert parameters (a MoE "
+                         "layer's experts, whose parameters are marked allreduce=False)")
+    if dp_outer_dim is not None or strategy == "no_shard":
+        raise NotImplementedError("fully_shard: expt_device_mesh with HSDP (dp_outer_dim) or zero_dp_strategy 0 / "
+                                  "'no_shard' is not supported: experts shard over their own data-parallel ranks")
+    names = expt_device_mesh.mesh_dim_names or ()
+    for dim in (dp_shard_dim, "expt_dp"):
+        if dim in names:
+            return dim
+    raise ValueError(f"expt_device_mesh has dimensions {names}: its data-parallel one must be named "
+                     f"dp_shard_dim ({dp_shard_dim!r}) or 'expt_dp' (parallel_state.get_expert_device_mesh())")
 
 
 def _check_no_shard_mesh(device_mesh: DeviceMesh, dp_shard_dim, dp_outer_dim, tp_dim) -> None:
@@ -289,6 +312,8 @@ def fully_shard_model(
             raise NotImplementedError("fully_shard: outer_dp_sharding_strategy 1 / 'optim' with cpu_offload=True is "
                                       "not supported: the outer reductions run on the device")
     unit_classes = _unit_classes(fsdp_unit_modules)
+    expert_units = () if disable_bucketing else _expert_units(module)
+    expert_dim = _check_expert_mesh(expt_device_mesh, expert_units, dp_shard_dim, dp_outer_dim, strategy)
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: torch.distributed is not initialized (call init_process_group first)")
     _check_mesh(device_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group)
@@ -335,6 +360,10 @@ def fully_shard_model(
         copy_kernels=False,
         main_params_dtype=main_dtype if cast else None,
         cpu_offload=cpu_offload,
+        expert_units=expert_units if expert_dim else (),
+        expert_mesh=expt_device_mesh[expert_dim] if expert_dim else None,
+        # NOTE: the experts' gradients are divided as the dense ones are averaged: by the dense DP size.
+        expert_grad_divide_factor=(1.0 if calculate_per_token_loss else float(mesh.size())) if expert_dim else None,
     )
     before = list(module.named_parameters())
     apply_fsdp_plan(module, plan)

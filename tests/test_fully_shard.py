@@ -84,7 +84,7 @@ def test_bf16_compute_keeps_fp32_main_weights_and_gradients(pools):
     (dict(nccl_ub=True), NotImplementedError, "nccl_ub=True is not supported: FSDP2 has no NCCL user buffers"),
     (dict(fsdp_double_buffer=True), NotImplementedError, "fsdp_double_buffer=True is not supported"),
     (dict(cuda_graph_mode=True), NotImplementedError, "cuda_graph_mode=True is not supported"),
-    (dict(expt_device_mesh=object()), NotImplementedError, "expt_device_mesh=.* is not supported"),
+    (dict(expt_device_mesh=object()), TypeError, "expt_device_mesh must be a torch DeviceMesh, got object"),
     (dict(overlap_param_gather=False), ValueError, "overlap_param_gather=False: FSDP2 always overlaps"),
     (dict(zero_dp_strategy=4), ValueError, "zero_dp_strategy=4: choose one of 0 / 'no_shard', 1 / 'optim', "
                                            "2 / 'optim_grads', 3 / 'optim_grads_params'"),

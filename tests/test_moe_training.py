@@ -138,3 +138,114 @@ def test_checkpoints_are_expert_parallel_invariant(pools, tmp_path):
         for iteration in (3, 4):
             assert got[iteration][:3] == pytest.approx(saved[iteration][:3], rel=1e-5), (how, got, saved)
             assert got[iteration][3] == pytest.approx(saved[iteration][3], abs=2e-3), (how, got, saved)
+
+
+# ---------------------------------------------------------------- the NVIDIA fully_shard API
+
+def _case_nvidia_fully_shard_with_experts(ep: int):
+    import torch
+    import torch.nn.functional as F
+
+    from helpers import batch, make_config, setup_parallel
+    from megatron_fsdp import parallel_state
+    from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron_fsdp.fully_shard import fully_shard_model
+    from megatron_fsdp.models.gpt import GPTModel
+    from megatron_fsdp.transformer import TransformerLayer
+
+    setup_parallel(1, expert_model_parallel_size=ep)
+    cfg = make_config(num_moe_experts=4, moe_router_topk=2, add_bias_linear=False, gated_linear_unit=True,
+                      activation_func=F.silu, moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep)
+
+    def build():
+        torch.manual_seed(3)
+        return GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+
+    ours = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(), build())
+    # NVIDIA Megatron-FSDP's way: the expert mesh beside the dense one (parallel_state's, "expt_dp").
+    nvidia = fully_shard_model(build(), device_mesh=parallel_state.get_device_mesh(), dp_shard_dim="dp_shard_cp",
+                               tp_dim="tp", expt_device_mesh=parallel_state.get_expert_device_mesh(),
+                               fsdp_unit_modules=[TransformerLayer])
+    experts = nvidia.module.decoder.layers[0].mlp.experts
+    assert experts.linear_fc1.weight.device_mesh.mesh_dim_names == ("expt_dp", "ep", "etp")
+    ids, labels, positions, weights = batch(64, seed=dist_rank())
+    grads = []
+    for model in (ours, nvidia):
+        loss = model(ids, positions, None, labels=labels)
+        (loss * weights).sum().backward()
+        model.finish_grad_sync()
+        grads.append({n.removeprefix("module."): p.grad.full_tensor() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_nvidias_fully_shard_shards_experts_over_expt_device_mesh(pools, ep):
+    """fully_shard_model(..., expt_device_mesh=...) gives every gradient TorchFullyShardedDataParallel
+    gives (the experts sharded over the expert-data-parallel ranks, divided by the dense DP size)."""
+    pools(4).run(_case_nvidia_fully_shard_with_experts, ep)
+
+
+def _case_meta_init_with_experts():
+    import torch.nn.functional as F
+
+    from helpers import assert_close_dicts, full_params, make_config, setup_parallel
+    from megatron_fsdp import parallel_state
+    from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron_fsdp.initialization import initialize_parameters
+    from megatron_fsdp.models.gpt import GPTModel
+
+    def config(**parallel):
+        return make_config(num_moe_experts=4, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                           moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+                           moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, **parallel)
+
+    import torch
+
+    setup_parallel(2, expert_model_parallel_size=2)
+    cfg = config(sequence_parallel=True, expert_model_parallel_size=2)
+    with torch.device("meta"):
+        model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    wrapped = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(), model)
+    sharded = full_params(wrapped.module)
+    parallel_state.destroy_model_parallel()
+    setup_parallel(1)
+    with torch.device("meta"):
+        whole = GPTModel(config(), vocab_size=64, max_sequence_length=16)
+    whole.to_empty(device="cpu")
+    initialize_parameters(whole)
+    assert_close_dicts(sharded, full_params(whole), "meta-initialized weight", rtol=0, atol=0)
+    biases = [m.expert_bias for m in wrapped.module.modules() if getattr(m, "expert_bias", None) is not None]
+    assert biases and all(torch.equal(b, torch.zeros_like(b)) for b in biases)  # reset_buffers ran
+
+
+def test_meta_init_gives_the_same_weights_at_any_expert_layout(pools):
+    """A meta-device MoE model wrapped at TP 2 + SP x EP 2 (expert TP 2) gets, rank by rank, its part
+    of the weights one whole model initialized in one process gets; the expert biases start at zero."""
+    pools(4).run(_case_meta_init_with_experts)
+
+
+@pytest.mark.slow  # pretrain() jobs in the worker pool
+def test_pretrain_with_every_router_option_repeats_one_process(pools):
+    """Sigmoid scores with the expert bias updated each step (aux-loss-free), a top-k scaling factor,
+    Qwen2's gated shared expert, the grouped-GEMM path, capacity with token dropping: EP 2 x DP 2
+    equals one process step for step."""
+    from test_training import _pretrain
+
+    flags = [*EXPERTS, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", "1e-2", "--moe-router-topk-scaling-factor", "2.5",
+             "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-grouped-gemm",
+             "--moe-expert-capacity-factor", "1.5", "--moe-token-dispatcher-type", "alltoall"]
+    expected = _losses(_pretrain(pools, 1, *flags))
+    got = _losses(_pretrain(pools, 4, *flags, "--expert-model-parallel-size", "2"))
+    assert sorted(expected) == [1, 2, 3, 4] and got.keys() == expected.keys(), (got, expected)
+    for iteration in expected:
+        assert got[iteration][:3] == pytest.approx(expected[iteration][:3], rel=1e-5), (iteration, got, expected)
+        assert got[iteration][3] == pytest.approx(expected[iteration][3], abs=2e-3), (iteration, got, expected)
