@@ -271,3 +271,23 @@ def test_the_readmes_mixture_of_experts_command_runs_as_written():
     assert "4 experts: expert-parallel 2 x expert-tensor-parallel 1 x expert-data-parallel 2" in proc.stdout
     assert re.search(r"iteration\s+10/\s+10 \|.*lm loss: [\d.E+]+ \|.*load_balancing_loss: [\d.E+]+ \|",
                      proc.stdout), proc.stdout[-2000:]
+
+
+@pytest.mark.slow  # compiles on 2 cores
+def test_moe_layers_compile_and_train_like_eager_ones(pools):
+    """--torch-compile at EP 2 (the router, the all-to-all dispatch with its host-side split sizes and
+    the experts inside each compiled TransformerLayer), traced under aot_eager as
+    tests/test_torch_compile.py does: the losses equal eager's bit for bit; the compiled layers ran."""
+    from test_torch_compile import LOSS, _job_counting_compiles
+    from test_training import MODEL, RUN
+
+    runs = {}
+    for compiled in (False, True):
+        argv = [*MODEL, *RUN, *EXPERTS, "--train-iters", "3", "--expert-model-parallel-size", "2",
+                "--moe-token-dispatcher-type", "alltoall", *(["--torch-compile"] if compiled else [])]
+        outcomes = pools(2).run(_job_counting_compiles, argv, "aot_eager", timeout=400)
+        out = "".join(o for _, o, _ in outcomes)
+        assert all(code == 0 for code, _, _ in outcomes), out[-3000:]
+        assert [n for _, _, n in outcomes] == [(2, True) if compiled else (0, False)] * 2
+        runs[compiled] = [float(x) for x in LOSS.findall(out)]
+    assert len(runs[False]) == 3 and runs[True] == runs[False], runs
