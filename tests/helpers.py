@@ -215,3 +215,20 @@ def run_convert(*args: str):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = module.main(list(map(str, args)))
     return code, out.getvalue(), err.getvalue()
+
+
+def run_readme_command(section: str, timeout: int = 600):
+    """The first ```bash block of README.md's `## {section}`, run as written from the checkout
+    (this interpreter's environment first on PATH); returns the finished process."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        text = f.read().split(f"## {section}", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", text, flags=re.S)[1]
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    return subprocess.run(["bash", "-e", "-c", block], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -196,18 +196,11 @@ def test_checkpoints_are_context_parallel_invariant(pools, tmp_path):
 @pytest.mark.e2e
 def test_the_readmes_long_context_command_runs_as_written(tmp_path):
     """README's "Long context" command, as written: CP 2 x DP 2 on 4 processes."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
-        section = f.read().split("## Long context", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run(["bash", "-e", "-c", block], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+    from helpers import run_readme_command
+
+    proc = run_readme_command("Long context")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tensor-parallel 1 x context-parallel 2 (a2a) x data-parallel 2" in proc.stdout
     assert re.search(r"iteration\s+10/\s+10 \|.*lm loss: [\d.E+]+ \|", proc.stdout), proc.stdout[-2000:]

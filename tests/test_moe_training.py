@@ -256,17 +256,9 @@ def test_pretrain_with_every_router_option_repeats_one_process(pools):
 @pytest.mark.e2e
 def test_the_readmes_mixture_of_experts_command_runs_as_written():
     """README's "Mixture of experts" command, as written: 4 processes, EP 2."""
-    import os
-    import subprocess
-    import sys
+    from helpers import run_readme_command
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "README.md")) as f:
-        section = f.read().split("## Mixture of experts", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.S)[1]
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    proc = subprocess.run(["bash", "-e", "-c", block], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_readme_command("Mixture of experts")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "4 experts: expert-parallel 2 x expert-tensor-parallel 1 x expert-data-parallel 2" in proc.stdout
     assert re.search(r"iteration\s+10/\s+10 \|.*lm loss: [\d.E+]+ \|.*load_balancing_loss: [\d.E+]+ \|",
