@@ -101,7 +101,7 @@ ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 profil
 #                       blocks are fp32 matmuls, all_gather's masked SDPA is off the flash kernel) ~8 s:
 #                       one arm on one GPU (CP 1 alone) ~20 s, 4 arms on 2 GPUs ~40 s, 7 arms on 4
 #                       GPUs ~65 s -> 60 (more GPUs take longer: a step that starts may use what is left)
-#   bench_moe           never run on a GPU (on the CPU, its default small layer: 4-15 s on 1-2 processes).
+#   bench_moe           never run on a GPU (on the CPU, its default small layer: 6-20 s on 1-2 processes).
 #                       Assumed: start-up (torchrun, torch, CUDA, NCCL) ~10 s; the weights drawn on the GPU
 #                       (1.4G values) and four copies of them built ~3 s; the Mixtral layer at 8192 tokens
 #                       is ~17 TFLOP forward + backward, ~30-50 ms a step, 16 steps for each of the three
@@ -112,9 +112,9 @@ ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 profil
 #   copy_out_reference  a Python start and 1 s on the GPU -> 10
 # No margin is left for the main jobs: build to bench_gpt_fp8 expect 410 of the 420 s, ~10 s left
 # for the preconditions (nvidia-smi, one torch import). profiling, bench_checkpoint,
-# bench_context_parallel, bench_moe and the micro-benchmarks run when the steps before them are quicker than
-# expected (on the last measured timings, 388 s to the end of bench_gpt_fp8: bench_checkpoint fits,
-# the others do not), or with a larger budget (all the steps expect 680 s).
+# bench_context_parallel, bench_moe and the micro-benchmarks run when the steps before them are
+# quicker than expected (on the last measured timings, 388 s to the end of bench_gpt_fp8:
+# bench_checkpoint fits, the others do not), or with a larger budget (all the steps expect 680 s).
 declare -A EXPECT_S=([build]=70 [tests]=85 [main_job_bf16]=50 [main_job_fp8]=50 [bench_e2e]=$E2E_S
   [bench_gpt_fp8]=45 [profiling]=40 [bench_checkpoint]=30 [bench_context_parallel]=60 [bench_moe]=40
   [bench_activations]=50 [bench_copy_in]=20 [bench_amax]=20 [copy_out_reference]=10)
