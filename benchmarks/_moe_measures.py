@@ -111,7 +111,7 @@ def _mark(values, hook):
 
 @contextlib.contextmanager
 def profile_dispatcher(layer: nn.Module, clock: DispatchClock):
-    """Times each of the dispatcher's methods, forward and backward, into `clock` (see the module
+    """Times each of the dispatcher's methods, forward and backward, into `clock` (see bench_moe.py's
     docstring). A backward interval runs from the method's outputs' gradients (one mark over all
     of them, so the method's backward starts once they are all in) to its inputs'."""
     dispatcher, begun = layer.token_dispatcher, {}
