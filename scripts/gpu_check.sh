@@ -28,8 +28,9 @@
 #   flags on one GPU: a torch profiler trace, memory snapshots at the window's end and at a forced
 #   out-of-memory error, --profile's Nsight Systems marks, under nsys when installed); bench_checkpoint
 #   (the stall of a sync and an async checkpoint save); bench_context_parallel (activation
-#   memory and step time per rank at CP 1, 2, 4 ... on every GPU); the kernel micro-benchmarks
-#   bench_activations, bench_copy_in, bench_amax; copy_out_reference.
+#   memory and step time per rank at CP 1, 2, 4 ... on every GPU); bench_moe (one MoE layer against
+#   a plain PyTorch MoE: grouped vs per-expert GEMMs, EP over every GPU, the token dispatch's share);
+#   the kernel micro-benchmarks bench_activations, bench_copy_in, bench_amax; copy_out_reference.
 # A step starts only when its expected seconds (EXPECT_S below) fit into what is
 # left of the budget, else it is OMITTED ("does not fit: ...") and the next one
 # is tried (a smaller later step may still fit); a step that starts may use all
@@ -63,9 +64,10 @@ E2E_S="${GPU_CHECK_E2E_S:-110}"
 # The steps in the order of what is owed: everything needs the build; then the CUDA tests, the
 # main job, the figures earlier issues owe (bench_e2e, bench_gpt_fp8), the async checkpoint save's
 # (bench_checkpoint: no GPU figure yet), context parallelism's (bench_context_parallel: none yet),
-# the kernel micro-benchmarks and torch's copy-out on a transposed output (recorded, not judged).
+# the MoE layer's (bench_moe: none yet, issue 42), the kernel micro-benchmarks and torch's copy-out
+# on a transposed output (recorded, not judged).
 ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 profiling bench_checkpoint
-  bench_context_parallel bench_activations bench_copy_in bench_amax copy_out_reference)
+  bench_context_parallel bench_moe bench_activations bench_copy_in bench_amax copy_out_reference)
 # Seconds each step is expected to take: a step starts only when they fit into what is left.
 # What each took on the last GPU it ran on (one H100 80GB, torch 2.11, CUDA 13.0, a cold compile
 # cache, 2026-11-27; BENCHMARKS.md, "GPU run of 2026-11-27"), and the margin in its figure:
@@ -99,17 +101,23 @@ ALL_STEPS=(build tests main_job_bf16 main_job_fp8 bench_e2e bench_gpt_fp8 profil
 #                       blocks are fp32 matmuls, all_gather's masked SDPA is off the flash kernel) ~8 s:
 #                       one arm on one GPU (CP 1 alone) ~20 s, 4 arms on 2 GPUs ~40 s, 7 arms on 4
 #                       GPUs ~65 s -> 60 (more GPUs take longer: a step that starts may use what is left)
+#   bench_moe           never run on a GPU (on the CPU, its default small layer: 6-20 s on 1-2 processes).
+#                       Assumed: start-up (torchrun, torch, CUDA, NCCL) ~10 s; the weights drawn on the GPU
+#                       (1.4G values) and four copies of them built ~3 s; the Mixtral layer at 8192 tokens
+#                       is ~17 TFLOP forward + backward, ~30-50 ms a step, 16 steps for each of the three
+#                       one-rank arms ~3 s, the first steps' cuBLAS and allocator warm-up ~5 s; with 2+ GPUs
+#                       a new NCCL layout and the two EP arms ~8 s -> 40
 #   bench_activations, bench_copy_in, bench_amax   15-24 s each -> 50 (with the RoPE, bias-dropout-
 #                       add and cross-entropy cases added since), 20, 20
 #   copy_out_reference  a Python start and 1 s on the GPU -> 10
 # No margin is left for the main jobs: build to bench_gpt_fp8 expect 410 of the 420 s, ~10 s left
 # for the preconditions (nvidia-smi, one torch import). profiling, bench_checkpoint,
-# bench_context_parallel and the micro-benchmarks run when the steps before them are quicker than
-# expected (on the last measured timings, 388 s to the end of bench_gpt_fp8: bench_checkpoint fits,
-# the others do not), or with a larger budget (all the steps expect 640 s).
+# bench_context_parallel, bench_moe and the micro-benchmarks run when the steps before them are
+# quicker than expected (on the last measured timings, 388 s to the end of bench_gpt_fp8:
+# bench_checkpoint fits, the others do not), or with a larger budget (all the steps expect 680 s).
 declare -A EXPECT_S=([build]=70 [tests]=85 [main_job_bf16]=50 [main_job_fp8]=50 [bench_e2e]=$E2E_S
-  [bench_gpt_fp8]=45 [profiling]=40 [bench_checkpoint]=30 [bench_context_parallel]=60 [bench_activations]=50 [bench_copy_in]=20
-  [bench_amax]=20 [copy_out_reference]=10)
+  [bench_gpt_fp8]=45 [profiling]=40 [bench_checkpoint]=30 [bench_context_parallel]=60 [bench_moe]=40
+  [bench_activations]=50 [bench_copy_in]=20 [bench_amax]=20 [copy_out_reference]=10)
 read -r -a SELECTED <<<"${GPU_CHECK_STEPS:-${ALL_STEPS[*]}}"
 SELECTED=(${SELECTED[@]//,/ })
 for s in "${SELECTED[@]}"; do
@@ -466,6 +474,14 @@ bench_context_parallel() {
   sizes="$(grep -o '"cp_sizes": \[[0-9, ]*\]' "$OUT_DIR/bench_context_parallel.jsonl" | sed 's/.*\[\(.*\)\]/\1/' || true)"
   echo "[gpu_check] $NGPU GPU(s), CP sizes ${sizes:-?} (one rank per GPU)" >&2
 }
+# One MoE layer on every GPU (--preset gpu: a Mixtral-8x7B layer, hidden 4096, 8 experts, top-2, ffn
+# 14336, 8192 tokens per rank, bf16), forward and backward: a plain PyTorch MoE (Mixtral's loop over
+# the experts) against MoELayer with per-expert and with grouped GEMMs, and with NGPU > 1 (dividing
+# the 8 experts) EP = NGPU with the alltoall and allgather dispatchers; step time, memory, the token
+# dispatch's share of the step. One GPU measures the one-rank arms alone (NCCL: one rank per GPU).
+bench_moe() {
+  bench bench_moe "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" benchmarks/bench_moe.py --preset gpu
+}
 
 # Runs a step when its expected seconds fit into what is left of the budget, else records
 # it OMITTED with why (the steps after it are still tried: a smaller one may fit).
@@ -506,9 +522,9 @@ import os
 import sys
 
 # Each benchmark names its baseline and bound its own way: one column each here.
-BASELINE = ("torch_ms", "foreach_ms", "bf16_ms", "sync_ms")
+BASELINE = ("torch_ms", "foreach_ms", "bf16_ms", "sync_ms", "dense_ms")
 BOUND = ("memcpy_ms", "bound_ms")
-SPEEDUP = ("torch_over_ours", "foreach_over_ours", "speedup", "sync_over_async")
+SPEEDUP = ("torch_over_ours", "foreach_over_ours", "speedup", "sync_over_async", "dense_over_ours")
 rows = []
 for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.jsonl"))):
     for line in open(path):

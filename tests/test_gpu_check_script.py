@@ -10,8 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWED = ["tests", "main_job_bf16", "main_job_fp8", "bench_e2e", "bench_gpt_fp8"]
 # What each step took on the last GPU it ran on (H100, torch 2.11, 2026-11-27; BENCHMARKS.md), and
 # 10 s (not measured) of preconditions before the first step: nvidia-smi and one torch import.
-# bench_e2e's reduced arms, bench_gpt_fp8, profiling, bench_checkpoint and bench_context_parallel have no figure
-# yet: they take their EXPECT_S.
+# bench_e2e's reduced arms, bench_gpt_fp8, profiling, bench_checkpoint, bench_context_parallel and bench_moe have
+# no figure yet: they take their EXPECT_S.
 MEASURED = "preconditions=10,build=63,tests=60,main_job_bf16=50,main_job_fp8=50"
 
 
@@ -78,13 +78,14 @@ def test_a_step_that_does_not_fit_is_omitted_by_name_and_a_later_smaller_one_sti
     assert status["bench_checkpoint"] == "OMITTED"    # 30 s
     assert _detail(rows, "bench_checkpoint") == "does not fit: expects 30 s, 2 s of the 420 s budget left"
     assert status["bench_context_parallel"] == "OMITTED"   # 60 s
+    assert status["bench_moe"] == "OMITTED"           # 40 s
     assert status["bench_activations"] == "OMITTED"   # 50 s
     assert status["bench_copy_in"] == "OMITTED"       # 20 s
     assert status["bench_amax"] == "OMITTED"          # 20 s
     assert status["copy_out_reference"] == "OMITTED"  # 10 s
     assert last.startswith("GPU CHECK PASSED in 418s of 420s; omitted, did not fit the budget: bench_gpt_fp8, "
-                           "bench_checkpoint, bench_context_parallel, bench_activations, bench_copy_in, bench_amax, "
-                           "copy_out_reference (logs"), last
+                           "bench_checkpoint, bench_context_parallel, bench_moe, bench_activations, bench_copy_in, "
+                           "bench_amax, copy_out_reference (logs"), last
 
 
 def test_a_failing_step_is_named_and_the_steps_after_it_still_run(tmp_path):
@@ -114,7 +115,7 @@ def test_steps_left_out_by_gpu_check_steps_are_told_apart_from_those_that_did_no
     assert rc == 0, proc.stdout + proc.stderr
     status = _status(rows)
     left_out = ["main_job_bf16", "main_job_fp8", "bench_gpt_fp8", "profiling", "bench_checkpoint",
-                "bench_context_parallel", "bench_copy_in", "copy_out_reference"]
+                "bench_context_parallel", "bench_moe", "bench_copy_in", "copy_out_reference"]
     for name in left_out:
         assert (status[name], _detail(rows, name)) == ("OMITTED", "not in GPU_CHECK_STEPS")
     assert (status["bench_activations"], _detail(rows, "bench_activations")) == (
@@ -137,7 +138,7 @@ def test_a_step_past_its_limit_fails_as_a_timeout_and_leaves_no_time_to_the_rest
     assert rc == 1, proc.stdout + proc.stderr
     row = next(r for r in rows if r[0] == "main_job_fp8")
     assert row[1:] == ["FAIL", "247", "main_job_fp8 failed or timed out (fake: takes 400s, limit 247s)"]
-    after = ["bench_e2e", "bench_gpt_fp8", "profiling", "bench_checkpoint", "bench_context_parallel",
+    after = ["bench_e2e", "bench_gpt_fp8", "profiling", "bench_checkpoint", "bench_context_parallel", "bench_moe",
              "bench_activations", "bench_copy_in", "bench_amax", "copy_out_reference"]
     for name in after:
         assert _status(rows)[name] == "OMITTED"
