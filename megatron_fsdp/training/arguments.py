@@ -49,8 +49,9 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         from .checkpointing import RUN_DEFAULT_ARGS  # here: checkpointing imports DCP, --help does not need it
     for name, value in (stored or {}).items():
         given = getattr(args, name, value)
-        if name in RUN_DEFAULT_ARGS and given is not None:
-            continue  # the command line's own, as Megatron-LM keeps it
+        if name in RUN_DEFAULT_ARGS and (given != p.get_default(name)
+                                         or _on_command_line(p, sys.argv[1:] if argv is None else argv, name)):
+            continue  # the command line's own (or a script's default), as Megatron-LM keeps it
         if given != value and int(os.environ.get("RANK", "0")) == 0:
             flag = f"--{name.replace('_', '-')}"
             instead = (f"(none on the command line: give {flag} for another)" if name in RUN_DEFAULT_ARGS
@@ -59,6 +60,12 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         setattr(args, name, value)
     _validate(p, args)
     return args
+
+
+def _on_command_line(parser, argv, dest: str) -> bool:
+    """Whether `argv` gives the flag of destination `dest` (its default value included)."""
+    options = {o for action in parser._actions if action.dest == dest for o in action.option_strings}
+    return any(word.split("=", 1)[0] in options for word in argv)
 
 
 def _checkpoint_args(parser, argv) -> Optional[dict]:
