@@ -149,6 +149,26 @@ def test_greedy_generation_at_ep2_is_transformers(pools, tmp_path, name):
     assert len(ours) == 10 and ours == theirs
 
 
+def test_use_checkpoint_args_builds_the_moe_model_and_keeps_a_given_aux_loss_coefficient(tmp_path, capsys):
+    """The stored MoE flags replace the command line's; the load-balancing coefficient (a run
+    default, as --seq-length) only where the command line gives none, 0.0 included."""
+    from megatron_fsdp.training.arguments import parse_args
+
+    _, hf_dir = _hf_dir(tmp_path, "qwen2_moe")
+    ckpt, _ = _to_ours(tmp_path, hf_dir)
+    run = ["--load", ckpt, "--use-checkpoint-args", "--use-torch-fsdp2", "--micro-batch-size", "1", "--lr", "1",
+           "--train-iters", "1", "--mock-data", "--vocab-size", str(VOCAB)]
+    config = parse_args(run).configs.model
+    assert (config.num_moe_experts, config.moe_layer_freq, config.moe_router_pre_softmax) == (4, [1, 0, 1], True)
+    assert (config.moe_shared_expert_intermediate_size, config.moe_shared_expert_gate, config.add_qkv_bias) == (
+        12, True, True)
+    assert config.moe_aux_loss_coeff == 0.001
+    assert "--moe-aux-loss-coeff 0.001 from the checkpoint (none on the command line" in capsys.readouterr().out
+    for given in ("0.0", "0.05"):
+        assert parse_args([*run, "--moe-aux-loss-coeff", given]).configs.model.moe_aux_loss_coeff == float(given)
+        assert parse_args([*run, f"--moe-aux-loss-coeff={given}"]).moe_aux_loss_coeff == float(given)
+
+
 def test_megatron_core_conversion_refuses_experts_in_one_line(tmp_path):
     _, hf_dir = _hf_dir(tmp_path, "mixtral")
     ckpt, _ = _to_ours(tmp_path, hf_dir)

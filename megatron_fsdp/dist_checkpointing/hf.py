@@ -9,8 +9,9 @@ checkpoint tool builds on it):
   model.layers.i.input_layernorm.weight     decoder.layers.i.input_layernorm.weight
   model.layers.i.self_attn.{q,k,v}_proj     decoder.layers.i.self_attention.linear_qkv: per query
                                             group, its query heads, then its key, then its value
-                                            (the order our attention reads); biases likewise (Qwen2)
-  model.layers.i.self_attn.{q,k}_norm        decoder.layers.i.self_attention.{q,k}_layernorm.weight
+                                            (the order our attention reads); biases likewise (Qwen2,
+                                            Qwen2-MoE)
+  model.layers.i.self_attn.{q,k}_norm       decoder.layers.i.self_attention.{q,k}_layernorm.weight
                                             (Qwen3-MoE's query/key norms)
   model.layers.i.self_attn.o_proj.weight    decoder.layers.i.self_attention.linear_proj.weight
   model.layers.i.post_attention_layernorm   decoder.layers.i.pre_mlp_layernorm.weight
@@ -133,7 +134,7 @@ def gpt_arguments(hf: Mapping) -> tuple[dict, dict]:
 
 def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     """HF's separate projections -> per group [its query heads; key; value] (rows, or bias entries)."""
-    d = k.shape[0] // groups
+    d = q.shape[0] // heads
     per = heads // groups
     q = q.reshape(groups, per * d, *q.shape[1:])
     k = k.reshape(groups, d, *k.shape[1:])

@@ -1,7 +1,10 @@
 """Hugging Face mixture-of-experts models <-> megatron_fsdp's GPT with MoE layers (full tensors,
 TP=1 names): what hf.py hands over for Mixtral, Qwen2-MoE and Qwen3-MoE. hf.py keeps what every
 architecture shares (embeddings, attention, norms, a dense layer's MLP); this module maps a sparse
-layer's MLP, the MoE fields of the config, and picks the architecture on export.
+layer's MLP, the MoE fields of the config, and picks the architecture on export. The names are
+those `transformers` saves and published checkpoints hold: one tensor per expert (its in-memory
+model fuses a layer's experts into `experts.gate_up_proj` and `experts.down_proj`, which
+save_pretrained writes back per expert).
 
   Mixtral    model.layers.i.block_sparse_moe.gate.weight [E, H]      decoder.layers.i.mlp.router.weight
              ...block_sparse_moe.experts.{e}.w1, w3 [F, H]           mlp.experts.linear_fc1.weight [E, 2, F, H]
@@ -120,9 +123,8 @@ def config_fields(hf: Mapping) -> dict:
 def model_args(hf: Mapping) -> dict:
     """The MoE pretraining flags (destination names) of a MoE config.json."""
     fields = config_fields(hf)
-    out = {"num_experts": fields.pop("num_moe_experts"), "moe_router_score_function": "softmax",
-           "moe_router_enable_expert_bias": False, **fields}
-    return out
+    return {"num_experts": fields.pop("num_moe_experts"), "moe_router_score_function": "softmax",
+            "moe_router_enable_expert_bias": False, **fields}
 
 
 # ---------------------------------------------------------------------- tensors

@@ -38,7 +38,8 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         p = extra_args_provider(p)
     if defaults:
         p.set_defaults(**defaults)
-    stored = _checkpoint_args(p, sys.argv[1:] if argv is None else argv)
+    words = sys.argv[1:] if argv is None else argv
+    stored = _checkpoint_args(p, words)
     if stored:
         # The stored flags stand in for required ones the command line leaves out.
         for action in p._actions:
@@ -49,9 +50,8 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         from .checkpointing import RUN_DEFAULT_ARGS  # here: checkpointing imports DCP, --help does not need it
     for name, value in (stored or {}).items():
         given = getattr(args, name, value)
-        if name in RUN_DEFAULT_ARGS and (given != p.get_default(name)
-                                         or _on_command_line(p, sys.argv[1:] if argv is None else argv, name)):
-            continue  # the command line's own (or a script's default), as Megatron-LM keeps it
+        if name in RUN_DEFAULT_ARGS and _on_command_line(p, words, name):
+            continue  # the command line's own, as Megatron-LM keeps it
         if given != value and int(os.environ.get("RANK", "0")) == 0:
             flag = f"--{name.replace('_', '-')}"
             instead = (f"(none on the command line: give {flag} for another)" if name in RUN_DEFAULT_ARGS
