@@ -33,7 +33,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
     return GPTModel(
-        config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        # As Megatron-LM's: the spec pins query/key norms and the experts (a spec without them
+        # would build layers without --qk-layernorm's norms).
+        config, transformer_layer_spec=get_gpt_layer_local_spec(
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, normalization=args.normalization),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

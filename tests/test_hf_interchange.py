@@ -1,7 +1,8 @@
 """Hugging Face Llama-family weights <-> megatron_fsdp's GPT (dist_checkpointing/hf.py), against
-what `transformers` computes: tiny random Llama (GQA), Mistral and Qwen2 (q/k/v biases, tied
-embeddings) models converted to our GPT give their logits; the mapping round-trips exactly; what
-we cannot represent is refused by name."""
+what `transformers` computes: tiny random Llama (GQA; a head size other than hidden / heads),
+Mistral and Qwen2 (q/k/v biases, tied embeddings) models converted to our GPT give their logits;
+the mapping round-trips exactly; what we cannot represent is refused by name. The
+mixture-of-experts models: test_hf_moe_interchange.py."""
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, rope_theta=50000.0)),
+    # A head size (32) other than hidden / heads (16): our kv_channels.
+    "llama_head_dim": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=2, head_dim=32)),
     # Llama 3.1's RoPE scaling; a context short enough that every frequency band is hit.
     "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
         num_key_value_heads=2, max_position_embeddings=16384, rope_parameters=dict(
@@ -113,7 +116,7 @@ def test_padded_vocabulary_rows_are_added_on_import_and_dropped_on_export():
      NotImplementedError, "rope_scaling=.*'low_freq_factor': 2.0.* not supported"),  # transformers 5's form
     (dict(sliding_window=4096, use_sliding_window=True), NotImplementedError, "sliding_window=4096"),
     (dict(hidden_act="gelu"), ValueError, "hidden_act='gelu': only SwiGLU"),
-    (dict(head_dim=32), NotImplementedError, "head_dim=32 with 4 heads"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), NotImplementedError, "layer_types with"),
 ])
 def test_what_we_cannot_represent_is_refused_by_name(change, error, message):
     _, hf = _hf_model("llama")

@@ -38,7 +38,8 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         p = extra_args_provider(p)
     if defaults:
         p.set_defaults(**defaults)
-    stored = _checkpoint_args(p, sys.argv[1:] if argv is None else argv)
+    words = sys.argv[1:] if argv is None else argv
+    stored = _checkpoint_args(p, words)
     if stored:
         # The stored flags stand in for required ones the command line leaves out.
         for action in p._actions:
@@ -49,7 +50,7 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         from .checkpointing import RUN_DEFAULT_ARGS  # here: checkpointing imports DCP, --help does not need it
     for name, value in (stored or {}).items():
         given = getattr(args, name, value)
-        if name in RUN_DEFAULT_ARGS and given is not None:
+        if name in RUN_DEFAULT_ARGS and _on_command_line(p, words, name):
             continue  # the command line's own, as Megatron-LM keeps it
         if given != value and int(os.environ.get("RANK", "0")) == 0:
             flag = f"--{name.replace('_', '-')}"
@@ -59,6 +60,12 @@ def parse_args(argv=None, extra_args_provider=None, defaults: Optional[dict] = N
         setattr(args, name, value)
     _validate(p, args)
     return args
+
+
+def _on_command_line(parser, argv, dest: str) -> bool:
+    """Whether `argv` gives the flag of destination `dest` (its default value included)."""
+    options = {o for action in parser._actions if action.dest == dest for o in action.option_strings}
+    return any(word.split("=", 1)[0] in options for word in argv)
 
 
 def _checkpoint_args(parser, argv) -> Optional[dict]:

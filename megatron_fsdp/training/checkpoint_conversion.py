@@ -79,30 +79,16 @@ def _check_shapes(where: str, spec: Spec, expected: dict[str, tuple]) -> None:
 
 
 def load_hf(path: str, make_vocab_size_divisible_by: int = 128) -> Model:
-    """A Hugging Face Llama, Mistral or Qwen2 directory. The vocabulary is padded as
-    Megatron-LM pads it at TP=1 (a load at another TP size reads across the padding)."""
+    """A Hugging Face Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or Qwen3-MoE directory. The
+    vocabulary is padded as Megatron-LM pads it at TP=1 (a load at another TP size reads across
+    the padding)."""
     directory = HFDirectory(path)
     hf = directory.config
     hf_mapping.check_hf_config(hf)
     vocab = hf["vocab_size"]
     padded = math.ceil(vocab / make_vocab_size_divisible_by) * make_vocab_size_divisible_by
     source = {name: (directory.shape(name), directory.dtype(name)) for name in directory.names()}
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    groups, layers = hf.get("num_key_value_heads") or heads, hf["num_hidden_layers"]
-    head = hidden // heads
-    ffn = hf["intermediate_size"]
-    expected = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
-                "model.norm.weight": (hidden,)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        expected.update({p + "self_attn.q_proj.weight": (heads * head, hidden),
-                         p + "self_attn.k_proj.weight": (groups * head, hidden),
-                         p + "self_attn.v_proj.weight": (groups * head, hidden),
-                         p + "self_attn.o_proj.weight": (hidden, heads * head),
-                         p + "mlp.gate_proj.weight": (ffn, hidden), p + "mlp.up_proj.weight": (ffn, hidden),
-                         p + "mlp.down_proj.weight": (hidden, ffn), p + "input_layernorm.weight": (hidden,),
-                         p + "post_attention_layernorm.weight": (hidden,)})
-    _check_shapes(path, source, expected)
+    _check_shapes(path, source, hf_mapping.expected_shapes(hf))
     spec, get = _through(hf_mapping.hf_to_megatron_fsdp_recipe(hf, padded), source, directory.tensor)
     return Model(hf_mapping.model_args(hf), vocab, spec, get)
 
@@ -127,10 +113,12 @@ def load_mcore(path: str, iteration: Optional[int] = None, true_vocab_size: Opti
     layer's tensor read alone from its stacked tensor; the flags from its stored `args`."""
     reader = McoreReader(path, iteration)
     # Megatron-LM's names of the architecture flags are ours.
-    args = {k: reader.args[k] for k in ARCHITECTURE_ARGS + RUN_DEFAULT_ARGS if k in reader.args}
+    args = {k: reader.args[k] for k in ARCHITECTURE_ARGS + RUN_DEFAULT_ARGS if k in reader.args
+            if reader.args.get("num_experts") or not k.startswith("moe_")}  # a dense model's MoE defaults: noise
     missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in args]
     if missing:
         raise CheckpointError(f"{reader.path}: its stored args lack {', '.join(missing)}: its architecture is unknown")
+    _refuse_mcore_experts(args, f"{reader.path}: --loader mcore")
     layers = reader.layers()
     names = [n for n in ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")]
     for i in range(layers):
@@ -152,10 +140,20 @@ def load_mcore(path: str, iteration: Optional[int] = None, true_vocab_size: Opti
     return Model(args, int(vocab), spec, reader.tensor)
 
 
+def _refuse_mcore_experts(args: dict, where: str) -> None:
+    # NOTE: Megatron-Core's expert tensors (per-expert shards on an expert axis, dense and MoE
+    # layers sharing one stacked layer axis, its GroupedMLP's own layout) are not mapped here:
+    # without a checkpoint megatron-core wrote to test against, they would be a guess.
+    if args.get("num_experts"):
+        raise CheckpointError(f"{where}: mixture-of-experts models (--num-experts {args['num_experts']}) are not "
+                              "converted to or from Megatron-Core checkpoints")
+
+
 def save_mcore(model: Model, save_dir: str, *, dtype: Optional[torch.dtype] = None, target_tensor_parallel_size: int = 1,
                make_vocab_size_divisible_by: int = 128, iteration: int = 0) -> str:
     """Write a Megatron-Core torch_dist checkpoint (weights; the flags as its stored `args`), the
     vocabulary padded as Megatron-LM pads it for `target_tensor_parallel_size`."""
+    _refuse_mcore_experts(model.args, "--saver mcore")
     multiple = make_vocab_size_divisible_by * target_tensor_parallel_size
     padded = math.ceil(model.true_vocab_size / multiple) * multiple
     spec = dict(_dtype_of(model.spec, dtype))
@@ -226,6 +224,8 @@ def model_flags(args: dict) -> str:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             words += [flag] if value else []
+        elif isinstance(value, (list, tuple)):
+            words += [flag, "[" + ",".join(map(str, value)) + "]"]  # one word, as --moe-layer-freq reads it
         elif value is not None:
             words += [flag, str(value)]
     return " ".join(words)

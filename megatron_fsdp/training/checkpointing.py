@@ -510,8 +510,9 @@ ARCHITECTURE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attent
                       "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias",
                       "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 # Flags a checkpoint also stores, which --use-checkpoint-args fills in only where the command line
-# leaves them out (as Megatron-LM's load_args_from_checkpoint does): not the architecture's.
-RUN_DEFAULT_ARGS = ("seq_length",)
+# leaves them out (as Megatron-LM's load_args_from_checkpoint does): not the architecture's. The
+# load-balancing loss's coefficient travels with a converted MoE model (router_aux_loss_coef).
+RUN_DEFAULT_ARGS = ("seq_length", "moe_aux_loss_coeff")
 
 
 def save_training_checkpoint(args, iteration: int, model, optimizer, opt_param_scheduler,
