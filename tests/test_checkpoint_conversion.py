@@ -244,7 +244,9 @@ def test_greedy_generation_from_a_converted_checkpoint_is_transformers(pools, tm
     assert all(code == 0 for code, _ in outcomes), out[-3000:]
     ours = [int(t) for t in re.search(r"> generated: '([\d ]*)'", out)[1].split()]
     with torch.no_grad():
-        theirs = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
+        # An explicit mask: the prompt's last token is the pad id, which transformers would mask otherwise.
+        ids = torch.tensor([prompt])
+        theirs = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
                                    pad_token_id=0)[0, len(prompt):].tolist()
     assert len(ours) == 10 and ours == theirs
 
