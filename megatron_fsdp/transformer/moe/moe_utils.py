@@ -107,10 +107,9 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         """Set the scale of the auxiliary losses' gradients (a number or a scalar tensor)."""
         if not torch.is_tensor(scale):
             scale = torch.tensor(float(scale))
-        if MoEAuxLossAutoScaler.main_loss_backward_scale is None:
-            MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().clone()
-        else:
-            MoEAuxLossAutoScaler.main_loss_backward_scale.copy_(scale)
+        # NOTE: a 0-dim tensor, replaced (not copied into): callers pass numbers, [1] tensors (the
+        # training loop's, on the loss's device) or 0-dim ones, and any may follow any other.
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale.detach().reshape(()).clone()
 
 
 # ---------------------------------------------------------------- routing
