@@ -40,9 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as _FSDP2Policy
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat
+from . import _torch_compat, parallel_state
 from ._process_groups import backend_device_type
-from .distributed.fsdp_plan import FSDPPlan, _expert_units, _materialization_device, _units, apply_fsdp_plan
+from .distributed.fsdp_plan import (FSDPPlan, _expert_units, _materialization_device, _units, apply_fsdp_plan,
+                                    experts_share_dense_layout)
 from .distributed.outer_sharding import OuterShardedOptimizerState
 from .distributed.torch_fully_sharded_data_parallel import broadcast_fsdp_params
 from .initialization import has_recorded_parameters, initialize_parameters, unrecorded_parameters_of_layers
@@ -143,10 +144,13 @@ def _check_expert_mesh(expt_device_mesh, expert_units: tuple, dp_shard_dim, dp_o
     """The expert mesh's data-parallel dimension (None without one): NVIDIA's rule, the dimension
     named dp_shard_dim, or "expt_dp" of parallel_state.get_expert_device_mesh()."""
     if expt_device_mesh is None:
-        if any(isinstance(p, DTensor) for unit in expert_units for p in unit.parameters()):
-            raise ValueError("fully_shard: the module holds expert-parallel (DTensor) expert parameters: pass "
+        split = any(isinstance(p, DTensor) for unit in expert_units for p in unit.parameters())
+        if expert_units and (split or (parallel_state.model_parallel_is_initialized()
+                                       and not experts_share_dense_layout())):
+            raise ValueError("fully_shard: the module's experts are laid out over other ranks than its dense "
+                             "layers (expert parallelism, or an expert TP size other than the TP size): pass "
                              "expt_device_mesh (parallel_state.get_expert_device_mesh())")
-        return None  # experts replicated like the dense layers (expert parallelism 1): sharded with them
+        return None  # EP 1, expert TP = TP: the experts shard with the dense layers
     if not isinstance(expt_device_mesh, DeviceMesh):
         raise TypeError(f"expt_device_mesh must be a torch DeviceMesh, got {type(expt_device_mesh).__name__}")
     if not expert_units:

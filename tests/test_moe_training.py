@@ -283,3 +283,35 @@ def test_moe_layers_compile_and_train_like_eager_ones(pools):
         assert [n for _, _, n in outcomes] == [(2, True) if compiled else (0, False)] * 2
         runs[compiled] = [float(x) for x in LOSS.findall(out)]
     assert len(runs[False]) == 3 and runs[True] == runs[False], runs
+
+
+def _case_experts_elsewhere_need_their_own_units(how: str):
+    import torch.nn.functional as F
+
+    from helpers import make_config, setup_parallel
+    from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron_fsdp.fully_shard import fully_shard_model
+    from megatron_fsdp import parallel_state
+    from megatron_fsdp.models.gpt import GPTModel
+    from megatron_fsdp.transformer import TransformerLayer
+
+    setup_parallel(1, expert_model_parallel_size=2)
+    cfg = make_config(num_moe_experts=4, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                      expert_model_parallel_size=2)
+    model = GPTModel(cfg, vocab_size=64, max_sequence_length=16)
+    if how == "disable_bucketing":
+        TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(), model, disable_bucketing=True)
+    else:
+        fully_shard_model(model, device_mesh=parallel_state.get_device_mesh(), dp_shard_dim="dp_shard_cp",
+                          tp_dim="tp", fsdp_unit_modules=[TransformerLayer])
+
+
+@pytest.mark.parametrize("how, message", [
+    ("disable_bucketing", "disable_bucketing=True with expert parallelism"),
+    ("nvidia_without_expt_device_mesh", "pass expt_device_mesh (parallel_state.get_expert_device_mesh())"),
+])
+def test_experts_on_other_ranks_are_never_sharded_with_the_dense_layers(pools, how, message):
+    """At EP 2 the experts' gradients must be reduced over their own ranks: a wrapping that would
+    shard them with the dense layers is refused in one line, on every rank, before any work."""
+    errors = pools(2).run_expecting_errors(_case_experts_elsewhere_need_their_own_units, how)
+    assert len(errors) == 2 and all(message in e.message for e in errors), errors[0].message

@@ -89,8 +89,9 @@ def plan_fsdp(config, ddp_config, module: nn.Module, sub_modules_to_wrap: Iterab
         process_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     on_meta = any(p.device.type == "meta" for p in module.parameters())
     mp_policy = _mixed_precision_policy(config, ddp_config)
-    expert_units = () if disable_bucketing else _expert_units(module)
-    _check_experts(expert_units, ddp_config, mesh, reshard_after_forward)
+    expert_units = _expert_units(module)
+    _check_experts(expert_units, ddp_config, mesh, reshard_after_forward, disable_bucketing)
+    expert_units = () if disable_bucketing else expert_units
     return FSDPPlan(
         mesh=mesh,
         process_group=process_group,
@@ -322,9 +323,13 @@ def _expert_units(root: nn.Module) -> tuple:
     return tuple(units)
 
 
-def _check_experts(expert_units: tuple, ddp_config, mesh: DeviceMesh, reshard_after_forward) -> None:
+def _check_experts(expert_units: tuple, ddp_config, mesh: DeviceMesh, reshard_after_forward,
+                   disable_bucketing: bool) -> None:
     if not expert_units:
         return
+    if disable_bucketing and not experts_share_dense_layout():
+        raise NotImplementedError("disable_bucketing=True with expert parallelism (or an expert TP size other than "
+                                  "the TP size): the experts need FSDP units of their own, on their own mesh")
     dense_mesh = parallel_state.get_data_parallel_mesh(with_context_parallel=True)
     if mesh is not dense_mesh or ddp_config.num_distributed_optimizer_instances > 1:
         raise NotImplementedError("a model with experts shards its dense parameters over parallel_state's data- "
@@ -332,6 +337,14 @@ def _check_experts(expert_units: tuple, ddp_config, mesh: DeviceMesh, reshard_af
                                   "a process_group or HSDP (num_distributed_optimizer_instances > 1) is not supported")
     if not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(f"reshard_after_forward={reshard_after_forward} with experts: use True or False")
+
+
+def experts_share_dense_layout() -> bool:
+    """EP 1 and expert TP = TP: the experts' data-parallel ranks are the dense layers' DP x CP ranks,
+    so experts may shard (and average their gradients) with the dense parameters."""
+    return (parallel_state.get_expert_model_parallel_world_size() == 1
+            and parallel_state.get_expert_tensor_parallel_world_size()
+            == parallel_state.get_tensor_model_parallel_world_size())
 
 
 def _expert_shard_placement(param: torch.Tensor) -> Shard:
