@@ -315,3 +315,45 @@ def test_experts_on_other_ranks_are_never_sharded_with_the_dense_layers(pools, h
     shard them with the dense layers is refused in one line, on every rank, before any work."""
     errors = pools(2).run_expecting_errors(_case_experts_elsewhere_need_their_own_units, how)
     assert len(errors) == 2 and all(message in e.message for e in errors), errors[0].message
+
+
+def _case_a_finished_moe_job_leaves_nothing_alive(dispatcher: str) -> list:
+    """One training step of an FSDP-wrapped MoE model in a job of its own default group; then
+    whether any module outlives it. (The allgather dispatcher kept its routing weights, a tensor
+    with autograd history, on the module: the graph's FSDP hooks then kept the model, its groups
+    and their threads alive after the job, 25 threads a job.)"""
+    import datetime
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from helpers import make_config
+    from megatron_fsdp import parallel_state, tensor_parallel
+    from megatron_fsdp.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+    from megatron_fsdp.models.gpt import GPTModel
+    from megatron_fsdp.training.initialize import shutdown_distributed
+    from pretrain_in_pool import own_process_group_job
+
+    with own_process_group_job():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        cfg = make_config(num_moe_experts=4, add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+                          expert_model_parallel_size=2, sequence_parallel=True, tensor_model_parallel_size=2,
+                          moe_token_dispatcher_type=dispatcher)
+        model = TorchFullyShardedDataParallel(cfg, TorchFullyShardedDataParallelConfig(),
+                                              GPTModel(cfg, vocab_size=64, max_sequence_length=16))
+        ids = torch.randint(0, 64, (2, 16))
+        model(ids, torch.arange(16).expand(2, 16), None, labels=ids).sum().backward()
+        model.finish_grad_sync()
+        del model
+        shutdown_distributed()
+    gc.collect()
+    return [type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_a_finished_moe_job_leaves_no_module_alive(pools, dispatcher):
+    assert pools(4).run(_case_a_finished_moe_job_leaves_nothing_alive, dispatcher) == [[]] * 4

@@ -89,10 +89,13 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         local_probs = probs[:, first:last].contiguous()
         # NOTE: the one host copy of this dispatch.
         tokens_per_expert = self.local_map.sum(dim=0).long().cpu()
-        permuted, self.local_probs, self.reversed_local_input_permutation_mapping = permute(
+        permuted, local_probs, self.reversed_local_input_permutation_mapping = permute(
             hidden_states, self.local_map, probs=local_probs, num_out_tokens=int(tokens_per_expert.sum()))
         self.routing_map = None
-        return permuted, tokens_per_expert, self.local_probs
+        # NOTE: only the dtype is kept: a tensor with autograd history held by the module would keep
+        # the graph, FSDP's hooks in it and so the model and its process groups alive after the job.
+        self.probs_dtype = local_probs.dtype
+        return permuted, tokens_per_expert, local_probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return unpermute(hidden_states, self.reversed_local_input_permutation_mapping,
@@ -102,7 +105,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         if self.tp_ep_group.size() > 1:
             # Summed in the routing weights' dtype (Megatron's; fp32 with moe_router_dtype="fp32").
             hidden_states = reduce_scatter_to_sequence_parallel_region(
-                hidden_states.to(self.local_probs.dtype), group=self.tp_ep_group).to(hidden_states.dtype)
+                hidden_states.to(self.probs_dtype), group=self.tp_ep_group).to(hidden_states.dtype)
         return hidden_states
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
