@@ -14,8 +14,11 @@
 #     async_checkpoints  the checkpoint tests again, every save asynchronous (--async-save's path;
 #                 tests/async_save_mode.py)
 #     restart     torchrun --max-restarts jobs that crash and restart (pytest -m restart)
+#     compositions  the end-to-end jobs beyond each feature's representative in the suite: context
+#                 parallelism and experts composed with compile, recompute, fp8, checkpoints, the
+#                 rest of their parity grids, their README commands (pytest -m compositions)
 #     suite       the default suite (pytest arguments do not apply here)
-#     all         suite, packaging, cuda_build, soak, async_checkpoints, restart
+#     all         suite, packaging, cuda_build, soak, async_checkpoints, restart, compositions
 #
 # Where the extension under test already has its CUDA kernels (a CUDA torch with
 # MEGATRON_FSDP_VENV=system), the cuda_build step is that build: nothing more to compile.
@@ -24,11 +27,11 @@ set -euo pipefail
 
 steps=()
 while [ "$#" -gt 0 ] && [ "$1" = --step ]; do
-  [ "$#" -ge 2 ] || { echo "[run_tests] --step needs a name: suite, packaging, cuda_build, soak, async_checkpoints, restart or all" >&2; exit 2; }
+  [ "$#" -ge 2 ] || { echo "[run_tests] --step needs a name: suite, packaging, cuda_build, soak, async_checkpoints, restart, compositions or all" >&2; exit 2; }
   case "$2" in
-    all) steps+=(suite packaging cuda_build soak async_checkpoints restart) ;;
-    suite|packaging|cuda_build|soak|async_checkpoints|restart) steps+=("$2") ;;
-    *) echo "[run_tests] unknown step '$2' (steps: suite, packaging, cuda_build, soak, async_checkpoints, restart, all)" >&2; exit 2 ;;
+    all) steps+=(suite packaging cuda_build soak async_checkpoints restart compositions) ;;
+    suite|packaging|cuda_build|soak|async_checkpoints|restart|compositions) steps+=("$2") ;;
+    *) echo "[run_tests] unknown step '$2' (steps: suite, packaging, cuda_build, soak, async_checkpoints, restart, compositions, all)" >&2; exit 2 ;;
   esac
   shift 2
 done
@@ -53,6 +56,7 @@ suite() {
 packaging() { "$PY" -m pytest -q --durations=5 -m packaging tests; }
 soak() { "$PY" -m pytest -q -m soak tests; }
 restart() { "$PY" -m pytest -q -m restart tests; }
+compositions() { "$PY" -m pytest -q --durations=5 -m compositions tests; }
 # Every checkpoint test written for the synchronous save, unchanged, with each save asynchronous.
 async_checkpoints() {
   MEGATRON_FSDP_TEST_ASYNC_SAVE=1 "$PY" -m pytest -q tests/test_checkpointing.py tests/test_checkpoint_faults.py \

@@ -39,7 +39,7 @@ class _Pools:
 
 # Markers of the steps that run apart from the default suite (scripts/run_tests.sh --step ...; CI
 # runs each): their tests are collected only when -m names the marker, or a test is named by its id.
-SEPARATE_STEPS = ("packaging", "soak", "restart")
+SEPARATE_STEPS = ("packaging", "soak", "restart", "compositions")
 
 
 def pytest_configure(config):
@@ -55,6 +55,8 @@ def pytest_configure(config):
                                        "own: -m soak)")
     config.addinivalue_line("markers", "restart: torchrun --max-restarts jobs that crash and restart (a step of "
                                        "its own: -m restart)")
+    config.addinivalue_line("markers", "compositions: end-to-end jobs beyond each feature's representative in the "
+                                       "suite (a step of its own: -m compositions)")
 
 
 def pytest_collection_modifyitems(config, items):

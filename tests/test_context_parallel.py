@@ -85,7 +85,10 @@ def test_an_explicit_attention_mask_is_refused_in_one_line(pools):
 
 @pytest.mark.slow  # pretrain() jobs in the worker pool
 @pytest.mark.parametrize("comm_type,cp_size,extra", [
-    ("p2p", 2, []), ("all_gather", 2, []), ("a2a", 2, []),
+    # (all_gather's and a2a's pretrain runs are in the compositions step: their attention has its
+    # parity tests in the suite)
+    ("p2p", 2, []), pytest.param("all_gather", 2, [], marks=pytest.mark.compositions),
+    pytest.param("a2a", 2, [], marks=pytest.mark.compositions),
     ("a2a+p2p", 4, ["--hierarchical-context-parallel-sizes", "2", "2"]),  # DP 1 x CP 4: 2 a2a x 2 p2p
 ])
 def test_pretrain_with_context_parallelism_repeats_dp2_step_for_step(pools, comm_type, cp_size, extra):
@@ -194,6 +197,7 @@ def test_checkpoints_are_context_parallel_invariant(pools, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.compositions  # the README's command: CI's compositions step
 def test_the_readmes_long_context_command_runs_as_written(tmp_path):
     """README's "Long context" command, as written: CP 2 x DP 2 on 4 processes."""
     import re
@@ -230,6 +234,7 @@ def _composition_job(pools, nproc: int, composition: str, *args: str):
 
 
 @pytest.mark.slow  # pretrain() jobs in the worker pool
+@pytest.mark.compositions
 @pytest.mark.parametrize("composition", sorted(COMPOSITIONS))
 def test_context_parallelism_composes(pools, composition):
     """DP 2 x CP 2 against DP 2 with the same flags: full activation recompute, fp8 with delayed scaling (the amax reduced
@@ -251,6 +256,7 @@ def test_context_parallelism_composes(pools, composition):
 
 
 @pytest.mark.slow  # compiles on 2 cores
+@pytest.mark.compositions
 def test_context_parallel_layers_compile_and_train_like_eager_ones(pools):
     """--torch-compile at DP 2 x CP 2 (p2p: the ring's point-to-point ops and autograd function
     inside each compiled TransformerLayer), traced under aot_eager as tests/test_torch_compile.py

@@ -85,17 +85,26 @@ def one_process(pools):
     return _losses(_pretrain(pools, 1, *EXPERTS))
 
 
+def _layouts():
+    """(world, layout line, flags), each with both dispatchers; the suite runs alltoall at EP 2, at
+    TP 2 + SP x EP 2 and at EP 4, the compositions step the rest."""
+    layouts = [
+        (2, "expert-parallel 2", ["--expert-model-parallel-size", "2"], True),  # EP 2 (DP 2)
+        (4, "expert-parallel 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                  "--expert-model-parallel-size", "2"], True),  # TP 2 + SP x EP 2 (expert TP 2)
+        (4, "expert-parallel 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                  "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], False),
+        (4, "expert-parallel 2", ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"], False),
+        (4, "expert-parallel 4", ["--expert-model-parallel-size", "4"], True),  # one expert per rank, DP 4
+    ]
+    for i, (world, layout, flags, in_suite) in enumerate(layouts):
+        for dispatcher in ("alltoall", "allgather"):
+            marks = [] if in_suite and dispatcher == "alltoall" else [pytest.mark.compositions]
+            yield pytest.param(dispatcher, world, layout, flags, marks=marks, id=f"layout{i}-{dispatcher}")
+
+
 @pytest.mark.slow  # pretrain() jobs in the worker pool
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-@pytest.mark.parametrize("world,layout,flags", [
-    (2, "expert-parallel 2", ["--expert-model-parallel-size", "2"]),  # EP 2 (DP 2)
-    (4, "expert-parallel 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                              "--expert-model-parallel-size", "2"]),  # TP 2 + SP x EP 2 (expert TP 2)
-    (4, "expert-parallel 2", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]),
-    (4, "expert-parallel 2", ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),  # EP 2 x CP 2
-    (4, "expert-parallel 4", ["--expert-model-parallel-size", "4"]),  # one expert per rank, DP 4
-])
+@pytest.mark.parametrize("dispatcher,world,layout,flags", list(_layouts()))
 def test_pretrain_with_experts_repeats_one_process(pools, one_process, dispatcher, world, layout, flags):
     """The same losses (the language model's and the routers' auxiliary ones), step for step, as
     the one-process run: experts split over EP ranks, FSDP over the expert-data-parallel ranks."""
@@ -232,6 +241,7 @@ def test_meta_init_gives_the_same_weights_at_any_expert_layout(pools):
     pools(4).run(_case_meta_init_with_experts)
 
 
+@pytest.mark.compositions
 @pytest.mark.slow  # pretrain() jobs in the worker pool
 def test_pretrain_with_every_router_option_repeats_one_process(pools):
     """Sigmoid scores with the expert bias updated each step (aux-loss-free), a top-k scaling factor,
@@ -254,6 +264,7 @@ def test_pretrain_with_every_router_option_repeats_one_process(pools):
 
 
 @pytest.mark.e2e
+@pytest.mark.compositions  # the README's command: CI's compositions step
 def test_the_readmes_mixture_of_experts_command_runs_as_written():
     """README's "Mixture of experts" command, as written: 4 processes, EP 2."""
     from helpers import run_readme_command
@@ -265,6 +276,7 @@ def test_the_readmes_mixture_of_experts_command_runs_as_written():
                      proc.stdout), proc.stdout[-2000:]
 
 
+@pytest.mark.compositions
 @pytest.mark.slow  # compiles on 2 cores
 def test_moe_layers_compile_and_train_like_eager_ones(pools):
     """--torch-compile at EP 2 (the router, the all-to-all dispatch with its host-side split sizes and
