@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.models.gpt import GPTModel
-from megatron_fsdp.training.initialize import distributed_job
+from megatron_fsdp.training.initialize import distributed_job, gpu_shortage
 from megatron_fsdp.transformer import TransformerConfig
 
 
@@ -176,3 +176,19 @@ def api_step(model, optimizer, ids: torch.Tensor, positions: torch.Tensor) -> to
     model.finish_grad_sync()
     optimizer.step()
     return loss
+
+
+def start_process_group(error: Callable[[str], BaseException]) -> bool:
+    """A torchrun job's process group: NCCL with one GPU per process, or gloo with the cores split
+    between the processes; raises `error(message)` where the GPUs are too few. True on CUDA."""
+    cuda = torch.cuda.is_available()
+    local_world, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    shortage = gpu_shortage("nccl" if cuda else "gloo", local_world, local_rank)
+    if shortage:
+        raise error(shortage)
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return cuda

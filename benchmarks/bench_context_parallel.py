@@ -68,12 +68,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from _common import device_name, single_process_defaults
+from _common import device_name, single_process_defaults, start_process_group
 from megatron_fsdp import parallel_state, tensor_parallel
 from megatron_fsdp.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallel
 from megatron_fsdp.models.gpt import GPTModel
 from megatron_fsdp.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron_fsdp.training.initialize import distributed_job, gpu_shortage
+from megatron_fsdp.training.initialize import distributed_job
 from megatron_fsdp.transformer import TransformerConfig
 from megatron_fsdp.transformer.enums import CP_COMM_TYPES
 from megatron_fsdp.utils import get_batch_on_this_cp_rank
@@ -340,17 +340,7 @@ def main():
             p.error(f"--cp-sizes {cp} does not divide the world size {world}")
         if args.seq_length % (2 * cp):
             p.error(f"--seq-length {args.seq_length} is not divisible by 2 x CP ({2 * cp})")
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    shortage = gpu_shortage(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                            int(os.environ.get("LOCAL_RANK", "0")))
-    if shortage:
-        raise _error(shortage)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group(backend)
+    start_process_group(_error)
     with distributed_job():
         results, skipped = {(1, "-"): run_arm(args, 1, "p2p")}, []
         for cp in cps:

@@ -75,11 +75,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from _common import device_name, single_process_defaults
+from _common import device_name, single_process_defaults, start_process_group
 from _moe_measures import (COMM_METHODS, DISPATCH_METHODS, DispatchClock, SavedTensorBytes, count_grouped_mm, local,
                            profile_dispatcher)
 from megatron_fsdp import parallel_state, tensor_parallel
-from megatron_fsdp.training.initialize import distributed_job, gpu_shortage
+from megatron_fsdp.training.initialize import distributed_job
 from megatron_fsdp.transformer import TransformerConfig
 from megatron_fsdp.transformer.moe import MoELayer
 
@@ -406,17 +406,7 @@ def parse_args() -> argparse.Namespace:
 def _start(args) -> bool:
     """The process group: NCCL, one GPU per process, or gloo with the cores split; True on CUDA."""
     single_process_defaults()
-    cuda = torch.cuda.is_available()
-    shortage = gpu_shortage("nccl" if cuda else "gloo", int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                            int(os.environ.get("LOCAL_RANK", "0")))
-    if shortage:
-        raise _error(shortage)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return cuda
+    return start_process_group(_error)
 
 
 def main():
