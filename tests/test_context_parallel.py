@@ -261,19 +261,13 @@ def test_context_parallel_layers_compile_and_train_like_eager_ones(pools):
     """--torch-compile at DP 2 x CP 2 (p2p: the ring's point-to-point ops and autograd function
     inside each compiled TransformerLayer), traced under aot_eager as tests/test_torch_compile.py
     does: the losses equal eager's bit for bit, and the compiled layers ran."""
-    from test_torch_compile import LOSS, _job_counting_compiles
+    from test_torch_compile import train_eager_and_compiled
     from test_training import MODEL, RUN
 
-    runs = {}
-    for compiled in (False, True):
-        argv = [*MODEL, *RUN, "--train-iters", "3", "--eval-iters", "0", "--context-parallel-size", "2",
-                "--cp-comm-type", "p2p", *(["--torch-compile"] if compiled else [])]
-        outcomes = pools(4).run(_job_counting_compiles, argv, "aot_eager", timeout=400)
-        out = "".join(o for _, o, _ in outcomes)
-        assert all(code == 0 for code, _, _ in outcomes), out[-3000:]
-        assert [n for _, _, n in outcomes] == [(2, True) if compiled else (0, False)] * 4
-        runs[compiled] = [float(x) for x in LOSS.findall(out)]
-    assert len(runs[False]) == 3 and runs[True] == runs[False], runs
+    runs = train_eager_and_compiled(pools, 4, [*MODEL, *RUN, "--train-iters", "3", "--eval-iters", "0",
+                                               "--context-parallel-size", "2", "--cp-comm-type", "p2p"])
+    losses = {compiled: losses for compiled, (losses, _) in runs.items()}
+    assert len(losses[False]) == 3 and losses[True] == losses[False], losses
 
 
 def _case_a_rank_whose_tokens_are_all_masked():

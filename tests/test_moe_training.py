@@ -282,19 +282,14 @@ def test_moe_layers_compile_and_train_like_eager_ones(pools):
     """--torch-compile at EP 2 (the router, the all-to-all dispatch with its host-side split sizes and
     the experts inside each compiled TransformerLayer), traced under aot_eager as
     tests/test_torch_compile.py does: the losses equal eager's bit for bit; the compiled layers ran."""
-    from test_torch_compile import LOSS, _job_counting_compiles
+    from test_torch_compile import train_eager_and_compiled
     from test_training import MODEL, RUN
 
-    runs = {}
-    for compiled in (False, True):
-        argv = [*MODEL, *RUN, *EXPERTS, "--train-iters", "3", "--expert-model-parallel-size", "2",
-                "--moe-token-dispatcher-type", "alltoall", *(["--torch-compile"] if compiled else [])]
-        outcomes = pools(2).run(_job_counting_compiles, argv, "aot_eager", timeout=400)
-        out = "".join(o for _, o, _ in outcomes)
-        assert all(code == 0 for code, _, _ in outcomes), out[-3000:]
-        assert [n for _, _, n in outcomes] == [(2, True) if compiled else (0, False)] * 2
-        runs[compiled] = [float(x) for x in LOSS.findall(out)]
-    assert len(runs[False]) == 3 and runs[True] == runs[False], runs
+    runs = train_eager_and_compiled(pools, 2, [*MODEL, *RUN, *EXPERTS, "--train-iters", "3",
+                                               "--expert-model-parallel-size", "2",
+                                               "--moe-token-dispatcher-type", "alltoall"])
+    losses = {compiled: losses for compiled, (losses, _) in runs.items()}
+    assert len(losses[False]) == 3 and losses[True] == losses[False], losses
 
 
 def _case_experts_elsewhere_need_their_own_units(how: str):

@@ -48,6 +48,21 @@ def _job_counting_compiles(argv, backend="inductor"):
     return code, out, (len(calls), len(runs) > 0)
 
 
+def train_eager_and_compiled(pools, nproc: int, argv: list) -> dict:
+    """`argv` trained eagerly and with --torch-compile (its compiles under aot_eager) on `nproc`
+    ranks of the pool: each job exits 0, and with --torch-compile the two TransformerLayers were
+    compiled once each on every rank and ran compiled. {compiled: (the losses, the jobs' output)}."""
+    runs = {}
+    for compiled in (False, True):
+        outcomes = pools(nproc).run(_job_counting_compiles, [*argv, *(["--torch-compile"] if compiled else [])],
+                                    "aot_eager", timeout=400)
+        out = "".join(o for _, o, _ in outcomes)  # the last rank logs the losses, rank 0 the setup
+        assert all(code == 0 for code, _, _ in outcomes), out[-3000:]
+        assert [n for _, _, n in outcomes] == [(2, True) if compiled else (0, False)] * nproc
+        runs[compiled] = ([float(x) for x in LOSS.findall(out)], out)
+    return runs
+
+
 @pytest.mark.slow  # compiles on 2 cores
 # Each option composes with compile in one case or the other, so the options share cases. The
 # first: TP with sequence parallelism, recomputation, and fp8 with delayed scaling (Megatron's
@@ -66,17 +81,11 @@ def _job_counting_compiles(argv, backend="inductor"):
     ["--fp16", "--initial-loss-scale", "1024"],  # a scale that does not overflow: every step counts
 ], ids=["bf16-tp2-sp-recompute-fp8", "fp16"])
 def test_compiled_layers_train_like_eager_ones(pools, extra):
-    runs = {}
-    for compiled in (False, True):
-        argv = [*MODEL, *RUN, *extra, *(["--torch-compile"] if compiled else [])]
-        outcomes = pools(2).run(_job_counting_compiles, argv, "aot_eager", timeout=400)
-        out = "".join(o for _, o, _ in outcomes)  # the last rank logs the losses, rank 0 the setup
-        assert all(code == 0 for code, _, _ in outcomes), out[-3000:]
-        # The two TransformerLayers, once each, on every rank; their forwards ran compiled.
-        assert [n for _, _, n in outcomes] == [(2, True) if compiled else (0, False)] * 2
+    runs = train_eager_and_compiled(pools, 2, [*MODEL, *RUN, *extra])
+    for compiled, (_, out) in runs.items():
         assert ("> torch.compile: each of the 2 TransformerLayers" in out) == compiled
-        runs[compiled] = [float(x) for x in LOSS.findall(out)]
-    assert len(runs[False]) == 5 and runs[True] == runs[False], runs
+    losses = {compiled: losses for compiled, (losses, _) in runs.items()}
+    assert len(losses[False]) == 5 and losses[True] == losses[False], losses
 
 
 class _Fp8Layer(torch.nn.Module):
